@@ -1,0 +1,34 @@
+//! Syncs a paid order: notifies the partner by webhook and enqueues the job
+//! that creates the invoice.
+use idem_sdk::{ChildJob, Effect, HttpRequest, Job, JobError, key, plugin};
+use serde::Deserialize;
+use serde_json::json;
+
+/// The payload producers enqueue.
+#[derive(Debug, Deserialize)]
+pub struct OrderEvent {
+    pub order_id: u64,
+    pub event_id: String,
+    pub destination: String,
+}
+
+#[plugin]
+pub fn handle(job: Job<OrderEvent>) -> Result<Vec<Effect>, JobError> {
+    let order = job.payload;
+    let webhook = HttpRequest::post(format!("/partners/{}/orders", order.destination)).json(&json!({
+        "order_id": order.order_id,
+        "event_id": order.event_id,
+    }))?;
+    let invoice = ChildJob::new(
+        "send_invoice_email",
+        &json!({"invoice_id": order.order_id, "recipient": format!("billing+{}@example.com", order.order_id)}),
+    )?;
+    Ok(vec![
+        Effect::http(
+            "partner",
+            key!("webhook:{}:{}", order.event_id, order.destination)?,
+            webhook,
+        ),
+        Effect::enqueue(key!("order:{}:invoice", order.order_id)?, invoice),
+    ])
+}

@@ -1,0 +1,112 @@
+//! The `idem` command line.
+//!
+//! Exit codes: 0 success; 1 the job or check failed (a classified error is
+//! printed); 2 bad usage or configuration; 3 the runtime failed (database,
+//! I/O). Every error tells the user what to do next.
+//!
+//! # Layout
+//! - this module: argument definitions and dispatch.
+//! - [`plugins`]: `idem plugins list|check` and `idem invoke`.
+//! - [`server`]: `idem provider-server`.
+
+pub mod plugins;
+pub mod server;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+/// A classified CLI failure with its exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The job, plugin or check failed; already reported on stdout.
+    #[error("{0}")]
+    Failed(String),
+    /// Bad usage or configuration.
+    #[error("{0}")]
+    Usage(String),
+    /// The runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] anyhow::Error),
+}
+
+impl CliError {
+    /// The process exit code.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Failed(_) => 1,
+            CliError::Usage(_) => 2,
+            CliError::Runtime(_) => 3,
+        }
+    }
+}
+
+/// idem: exactly-once business effects from at-least-once delivery.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version, about, long_about = None)]
+pub struct Cli {
+    /// Configuration file (default: ./idem.toml when it exists).
+    #[arg(long, global = true, env = "IDEM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Folder of plugins (`*.wasm` + optional `<name>.toml`).
+    #[arg(long, global = true)]
+    pub plugins_dir: Option<PathBuf>,
+    /// Log filter, e.g. `info` or `idem=debug` (logs go to stderr).
+    #[arg(long, global = true, env = "IDEM_LOG", default_value = "warn")]
+    pub log: String,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Inspect plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCommand),
+    /// Dry run: call a plugin once in the sandbox and print its effects as JSON. Nothing is executed.
+    Invoke {
+        /// Plugin name (file stem in the plugins folder).
+        plugin: String,
+        /// The job's payload (JSON).
+        #[arg(long)]
+        payload: String,
+        /// The job's own idempotency key.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Run the local idempotent provider server (for demos and tests).
+    ProviderServer(server::ProviderServerArgs),
+}
+
+/// `idem plugins ...`
+#[derive(Debug, Subcommand)]
+pub enum PluginsCommand {
+    /// List loaded plugins with hash, size and limits; report files that failed to load.
+    List,
+    /// Validate a `.wasm` against the contract without running a job.
+    Check {
+        /// The file.
+        file: PathBuf,
+    },
+}
+
+/// Runs a parsed command line.
+pub async fn run(cli: Cli) -> Result<(), CliError> {
+    let config = crate::config::Config::load(cli.config.as_deref())
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let plugins_dir = cli
+        .plugins_dir
+        .clone()
+        .unwrap_or_else(|| config.plugins_dir.clone());
+    match cli.command {
+        Command::Plugins(PluginsCommand::List) => plugins::list(&config, &plugins_dir),
+        Command::Plugins(PluginsCommand::Check { file }) => plugins::check(&config, &file),
+        Command::Invoke {
+            plugin,
+            payload,
+            key,
+        } => plugins::invoke(&config, &plugins_dir, &plugin, &payload, key).await,
+        Command::ProviderServer(args) => server::run(args).await,
+    }
+}

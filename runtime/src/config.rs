@@ -1,0 +1,323 @@
+//! Runtime configuration: `idem.toml` (or `--config`), then environment
+//! overrides, then command-line flags.
+//!
+//! ```toml
+//! database_url = "sqlite://idem.db"     # or postgres://...
+//! plugins_dir = "plugins"              # relative to this file
+//!
+//! [worker]
+//! queues = { default = 10 }            # queue -> jobs run at once by this process
+//! poll_interval = "1s"
+//! lease = "30s"
+//! shutdown_grace = "10s"
+//! max_attempts = 10
+//! backoff_base = "5s"
+//! backoff_max = "15m"
+//!
+//! [retention]
+//! succeeded = "24h"
+//! dead = "30d"
+//!
+//! [providers.email]
+//! kind = "email"
+//! base_url = "http://127.0.0.1:8025"
+//! ```
+
+use crate::providers::ProviderConfig;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Errors reading the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid.
+    #[error("invalid configuration in {path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: toml::de::Error,
+    },
+    /// An environment variable holds an invalid value.
+    #[error("invalid value for {var}: {why}")]
+    Env {
+        /// The variable.
+        var: &'static str,
+        /// Why.
+        why: String,
+    },
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `sqlite://PATH` or `postgres://...`.
+    pub database_url: String,
+    /// Folder of `*.wasm` plugins.
+    pub plugins_dir: PathBuf,
+    /// Folder of precompiled components (default: the user cache dir).
+    pub cache_dir: Option<PathBuf>,
+    /// Worker settings.
+    pub worker: WorkerConfig,
+    /// Retention of finished jobs.
+    pub retention: RetentionConfig,
+    /// Providers by name.
+    pub providers: BTreeMap<String, ProviderConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            database_url: "sqlite://idem.db".into(),
+            plugins_dir: PathBuf::from("plugins"),
+            cache_dir: None,
+            worker: WorkerConfig::default(),
+            retention: RetentionConfig::default(),
+            providers: BTreeMap::new(),
+        }
+    }
+}
+
+/// Worker settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Queues served, with how many jobs of each this process runs at once.
+    pub queues: BTreeMap<String, u32>,
+    /// Most jobs of a queue running at once across all nodes (optional).
+    pub queue_limits: BTreeMap<String, u32>,
+    /// How often to look for jobs when no notification arrives.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// Default lease (plugins may set their own).
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// How long running jobs may finish at shutdown before their leases are given back.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+    /// Default attempts before dead-lettering.
+    pub max_attempts: u32,
+    /// Backoff base delay.
+    #[serde(with = "humantime_serde")]
+    pub backoff_base: Duration,
+    /// Backoff cap.
+    #[serde(with = "humantime_serde")]
+    pub backoff_max: Duration,
+    /// Replace dead jobs' payloads by a hash reference.
+    pub redact_dead_payloads: bool,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            queues: BTreeMap::from([("default".to_string(), 8)]),
+            queue_limits: BTreeMap::new(),
+            poll_interval: Duration::from_secs(1),
+            lease: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(10),
+            max_attempts: 10,
+            backoff_base: Duration::from_secs(5),
+            backoff_max: Duration::from_secs(15 * 60),
+            redact_dead_payloads: false,
+        }
+    }
+}
+
+/// Retention of finished jobs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Keep succeeded and cancelled jobs this long.
+    #[serde(with = "humantime_serde")]
+    pub succeeded: Duration,
+    /// Keep dead jobs this long.
+    #[serde(with = "humantime_serde")]
+    pub dead: Duration,
+    /// How often the pruner runs.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            succeeded: Duration::from_secs(24 * 3600),
+            dead: Duration::from_secs(30 * 24 * 3600),
+            interval: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path` if given (or `./idem.toml` if it exists), then applies
+    /// environment overrides. Relative `plugins_dir`/`cache_dir` are resolved
+    /// against the file's folder.
+    ///
+    /// ```no_run
+    /// let config = idem::config::Config::load(None)?;
+    /// # Ok::<(), idem::config::ConfigError>(())
+    /// ```
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let default_path = Path::new("idem.toml");
+        let path = match path {
+            Some(p) => Some(p.to_path_buf()),
+            None if default_path.exists() => Some(default_path.to_path_buf()),
+            None => None,
+        };
+        let mut config = match &path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                let mut config: Config =
+                    toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                        path: path.clone(),
+                        source,
+                    })?;
+                let base = path.parent().unwrap_or(Path::new("."));
+                config.plugins_dir = base.join(&config.plugins_dir);
+                config.cache_dir = config.cache_dir.map(|d| base.join(d));
+                config
+            }
+            None => Config::default(),
+        };
+        config.apply_env(|var| std::env::var(var).ok())?;
+        Ok(config)
+    }
+
+    /// Applies `IDEM_*` overrides read through `get`.
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        let duration = |var: &'static str, text: String| {
+            humantime::parse_duration(&text).map_err(|e| ConfigError::Env {
+                var,
+                why: e.to_string(),
+            })
+        };
+        if let Some(url) = get("IDEM_DATABASE_URL") {
+            self.database_url = url;
+        }
+        if let Some(dir) = get("IDEM_PLUGINS_DIR") {
+            self.plugins_dir = PathBuf::from(dir);
+        }
+        if let Some(dir) = get("IDEM_CACHE_DIR") {
+            self.cache_dir = Some(PathBuf::from(dir));
+        }
+        if let Some(queues) = get("IDEM_QUEUES") {
+            self.worker.queues = parse_queues(&queues).map_err(|why| ConfigError::Env {
+                var: "IDEM_QUEUES",
+                why,
+            })?;
+        }
+        for (var, slot) in [
+            ("IDEM_POLL_INTERVAL", &mut self.worker.poll_interval),
+            ("IDEM_LEASE", &mut self.worker.lease),
+            ("IDEM_BACKOFF_BASE", &mut self.worker.backoff_base),
+            ("IDEM_BACKOFF_MAX", &mut self.worker.backoff_max),
+            ("IDEM_SHUTDOWN_GRACE", &mut self.worker.shutdown_grace),
+            ("IDEM_RETENTION_SUCCEEDED", &mut self.retention.succeeded),
+            ("IDEM_RETENTION_DEAD", &mut self.retention.dead),
+        ] {
+            if let Some(text) = get(var) {
+                *slot = duration(var, text)?;
+            }
+        }
+        if let Some(text) = get("IDEM_MAX_ATTEMPTS") {
+            self.worker.max_attempts = text.parse().map_err(|e| ConfigError::Env {
+                var: "IDEM_MAX_ATTEMPTS",
+                why: format!("{e}"),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses `default=10,billing=2` (a bare name means 1).
+///
+/// ```
+/// let q = idem::config::parse_queues("default=10,billing").unwrap();
+/// assert_eq!(q["billing"], 1);
+/// ```
+pub fn parse_queues(text: &str) -> Result<BTreeMap<String, u32>, String> {
+    let mut queues = BTreeMap::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, n) = match part.split_once('=') {
+            Some((name, n)) => (
+                name.trim(),
+                n.trim()
+                    .parse::<u32>()
+                    .map_err(|e| format!("{part:?}: {e}"))?,
+            ),
+            None => (part, 1),
+        };
+        if name.is_empty() || n == 0 {
+            return Err(format!(
+                "{part:?}: expected QUEUE=CONCURRENCY with CONCURRENCY >= 1"
+            ));
+        }
+        queues.insert(name.to_string(), n);
+    }
+    if queues.is_empty() {
+        return Err("no queue given".into());
+    }
+    Ok(queues)
+}
+
+/// `Duration` fields as humantime text (`"30s"`, `"15m"`).
+pub mod humantime_serde {
+    use serde::{Deserialize, Deserializer};
+    use std::time::Duration;
+
+    /// Deserialises `"30s"`.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_duration(&text)
+            .map_err(|e| serde::de::Error::custom(format!("{text:?}: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_overrides_win_and_bad_values_name_the_variable() {
+        let mut config = Config::default();
+        config
+            .apply_env(|v| match v {
+                "IDEM_DATABASE_URL" => Some("postgres://x".into()),
+                "IDEM_QUEUES" => Some("a=2,b".into()),
+                "IDEM_LEASE" => Some("2m".into()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(config.database_url, "postgres://x");
+        assert_eq!(config.worker.queues.len(), 2);
+        assert_eq!(config.worker.lease, Duration::from_secs(120));
+        let err = config
+            .apply_env(|v| (v == "IDEM_LEASE").then(|| "soon".into()))
+            .unwrap_err();
+        assert!(err.to_string().contains("IDEM_LEASE"));
+    }
+
+    #[test]
+    fn the_file_is_strict() {
+        let err = toml::from_str::<Config>("databse_url = \"x\"").unwrap_err();
+        assert!(err.to_string().contains("databse_url"));
+        let config: Config =
+            toml::from_str("[worker]\nqueues = { mail = 3 }\nlease = \"1m\"").unwrap();
+        assert_eq!(config.worker.queues["mail"], 3);
+        assert_eq!(config.worker.lease, Duration::from_secs(60));
+    }
+}

@@ -1,0 +1,287 @@
+//! Retry-storm protection per provider: a concurrency limit, a rate limit
+//! (token bucket) and a circuit breaker that opens on sustained failures so
+//! jobs are deferred instead of hammering a failing upstream.
+
+use super::config::GuardConfig;
+use crate::failure::{ErrorClass, Failure};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The guard of one provider.
+///
+/// ```
+/// use idem::providers::{config::GuardConfig, guard::Guard};
+/// let guard = Guard::new(&GuardConfig { breaker_failures: 3, ..Default::default() });
+/// assert!(!guard.is_open());
+/// ```
+pub struct Guard {
+    slots: Arc<Semaphore>,
+    rate: Option<Mutex<TokenBucket>>,
+    breaker: Mutex<Breaker>,
+    config: GuardConfig,
+}
+
+/// Permission to make one call; report its outcome with [`Permit::record`].
+pub struct Permit<'a> {
+    guard: &'a Guard,
+    _slot: OwnedSemaphorePermit,
+    recorded: bool,
+}
+
+impl Permit<'_> {
+    /// Feeds the breaker: success closes it; retryable or ambiguous failures
+    /// count towards opening it; permanent ones (the upstream answered) do not.
+    pub fn record(mut self, outcome: Result<(), ErrorClass>) {
+        self.recorded = true;
+        self.guard.record(outcome);
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if !self.recorded {
+            // Dropped mid-call (shutdown, timeout): release a half-open trial.
+            self.guard.record(Err(ErrorClass::Retryable));
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Breaker {
+    Closed { failures: u32 },
+    Open { until: Instant },
+    HalfOpen { trial_in_flight: bool },
+}
+
+struct TokenBucket {
+    tokens: f64,
+    capacity: f64,
+    per_second: f64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    /// Takes a token, or says how long until one is there.
+    fn take(&mut self) -> Option<Duration> {
+        let now = Instant::now();
+        let elapsed = now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + elapsed * self.per_second).min(self.capacity);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            None
+        } else {
+            Some(Duration::from_secs_f64(
+                (1.0 - self.tokens) / self.per_second,
+            ))
+        }
+    }
+}
+
+impl Guard {
+    /// A guard with this configuration.
+    pub fn new(config: &GuardConfig) -> Self {
+        let rate = (config.rate_per_second > 0.0).then(|| {
+            Mutex::new(TokenBucket {
+                tokens: config.rate_per_second.max(1.0),
+                capacity: config.rate_per_second.max(1.0),
+                per_second: config.rate_per_second,
+                last: Instant::now(),
+            })
+        });
+        Guard {
+            slots: Arc::new(Semaphore::new(config.concurrency.max(1))),
+            rate,
+            breaker: Mutex::new(Breaker::Closed { failures: 0 }),
+            config: config.clone(),
+        }
+    }
+
+    /// Waits for a concurrency slot and a rate token, unless the circuit is
+    /// open: then a retryable `circuit_open` failure with the time left.
+    pub async fn enter(&self) -> Result<Permit<'_>, Failure> {
+        self.admit()?;
+        let slot =
+            self.slots.clone().acquire_owned().await.map_err(|_| {
+                Failure::retryable("provider_closed", "the provider is shutting down")
+            })?;
+        while let Some(wait) = self
+            .rate
+            .as_ref()
+            .and_then(|r| r.lock().expect("rate poisoned").take())
+        {
+            tokio::time::sleep(wait).await;
+        }
+        Ok(Permit {
+            guard: self,
+            _slot: slot,
+            recorded: false,
+        })
+    }
+
+    fn admit(&self) -> Result<(), Failure> {
+        let mut breaker = self.breaker.lock().expect("breaker poisoned");
+        match *breaker {
+            Breaker::Closed { .. } => Ok(()),
+            Breaker::Open { until } => {
+                let now = Instant::now();
+                if now >= until {
+                    *breaker = Breaker::HalfOpen {
+                        trial_in_flight: true,
+                    };
+                    Ok(())
+                } else {
+                    Err(open(until - now))
+                }
+            }
+            Breaker::HalfOpen { trial_in_flight } => {
+                if trial_in_flight {
+                    Err(open(Duration::from_secs(1)))
+                } else {
+                    *breaker = Breaker::HalfOpen {
+                        trial_in_flight: true,
+                    };
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    fn record(&self, outcome: Result<(), ErrorClass>) {
+        let mut breaker = self.breaker.lock().expect("breaker poisoned");
+        let failed = matches!(outcome, Err(ErrorClass::Retryable | ErrorClass::Ambiguous));
+        *breaker = match (&*breaker, failed) {
+            (_, false) => Breaker::Closed { failures: 0 },
+            (Breaker::Closed { failures }, true) if failures + 1 < self.config.breaker_failures => {
+                Breaker::Closed {
+                    failures: failures + 1,
+                }
+            }
+            (Breaker::Open { until }, true) => Breaker::Open { until: *until },
+            (_, true) => {
+                tracing::warn!(cool_down = ?self.config.breaker_cool_down, "circuit opened after sustained failures");
+                Breaker::Open {
+                    until: Instant::now() + self.config.breaker_cool_down,
+                }
+            }
+        };
+    }
+
+    /// Whether the circuit is open now.
+    pub fn is_open(&self) -> bool {
+        matches!(*self.breaker.lock().expect("breaker poisoned"), Breaker::Open { until } if Instant::now() < until)
+    }
+}
+
+fn open(retry_after: Duration) -> Failure {
+    Failure::retryable(
+        "circuit_open",
+        "the provider's circuit is open after sustained failures",
+    )
+    .with_retry_after(Some(retry_after))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(failures: u32, cool_down_ms: u64) -> GuardConfig {
+        GuardConfig {
+            breaker_failures: failures,
+            breaker_cool_down: Duration::from_millis(cool_down_ms),
+            ..GuardConfig::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn the_breaker_opens_after_sustained_failures_and_half_opens_after_the_cool_down() {
+        let guard = Guard::new(&config(3, 100));
+        for _ in 0..2 {
+            guard
+                .enter()
+                .await
+                .unwrap()
+                .record(Err(ErrorClass::Retryable));
+        }
+        assert!(!guard.is_open());
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Ambiguous));
+        let err = guard.enter().await.err().unwrap();
+        assert_eq!(err.code, "circuit_open");
+        assert!(err.retry_after.unwrap() <= Duration::from_millis(100));
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let trial = guard.enter().await.unwrap();
+        // Only one trial at a time.
+        assert!(guard.enter().await.is_err());
+        trial.record(Ok(()));
+        assert!(guard.enter().await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn permanent_failures_do_not_open_the_circuit() {
+        let guard = Guard::new(&config(1, 1000));
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Permanent));
+        assert!(!guard.is_open());
+    }
+
+    #[tokio::test]
+    async fn a_failed_trial_reopens_the_circuit() {
+        let guard = Guard::new(&config(1, 50));
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Retryable));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Retryable));
+        assert!(guard.is_open());
+    }
+
+    #[tokio::test]
+    async fn the_rate_limit_spaces_calls() {
+        let guard = Guard::new(&GuardConfig {
+            rate_per_second: 20.0,
+            ..GuardConfig::default()
+        });
+        let started = Instant::now();
+        for _ in 0..30 {
+            guard.enter().await.unwrap().record(Ok(()));
+        }
+        // 20 tokens up front, then 10 more at 20/s.
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn the_concurrency_limit_holds() {
+        let guard = Arc::new(Guard::new(&GuardConfig {
+            concurrency: 2,
+            ..GuardConfig::default()
+        }));
+        let a = guard.enter().await.unwrap();
+        let _b = guard.enter().await.unwrap();
+        let waiting = tokio::time::timeout(Duration::from_millis(50), guard.enter()).await;
+        assert!(waiting.is_err(), "a third call must wait");
+        a.record(Ok(()));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), guard.enter())
+                .await
+                .is_ok()
+        );
+    }
+}

@@ -1,0 +1,139 @@
+//! Providers: where effects are carried out. Each declares whether it
+//! dedupes on the idempotency key natively, and classifies every failure.
+//!
+//! # Layout
+//! - [`config`]: `[providers.NAME]` tables of `idem.toml`.
+//! - [`http`]: the `http` and `email` providers (an HTTP API honouring `Idempotency-Key`).
+//! - [`guard`]: retry-storm protection per provider (concurrency, rate, circuit breaker).
+//! - this module: the [`Provider`] trait and the [`Providers`] set built from config.
+//!
+//! The `jobs` provider is not here: a child job is enqueued in the same store
+//! transaction that marks its effect done (see `effects::executor`).
+
+pub mod config;
+pub mod guard;
+pub mod http;
+
+pub use config::ProviderConfig;
+
+use crate::effects::Effect;
+use crate::failure::Failure;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Name of the built-in provider that enqueues child jobs.
+pub const JOBS_PROVIDER: &str = "jobs";
+
+/// How a provider treats a repeated idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dedupe {
+    /// Returns the original result for a repeated key within `window`.
+    Native {
+        /// How long the provider remembers a key.
+        window: Duration,
+    },
+    /// Cannot dedupe: a retry after an ambiguous failure may repeat the effect.
+    None,
+}
+
+/// What a successful call returned.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Delivered {
+    /// The provider's reference (message id, request id ...).
+    pub result_ref: Option<String>,
+}
+
+/// A provider of effects.
+///
+/// ```no_run
+/// # use idem::providers::{Provider, Delivered, Dedupe};
+/// # use idem::{effects::Effect, failure::Failure};
+/// struct Audit;
+/// #[async_trait::async_trait]
+/// impl Provider for Audit {
+///     fn dedupe(&self) -> Dedupe { Dedupe::None }
+///     async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure> { Ok(Delivered::default()) }
+/// }
+/// ```
+#[async_trait::async_trait]
+pub trait Provider: Send + Sync {
+    /// Whether repeated keys are deduplicated by the provider itself.
+    fn dedupe(&self) -> Dedupe;
+
+    /// Carries one effect out, sending its idempotency key.
+    async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure>;
+}
+
+/// A configured provider with its retry-storm guard.
+pub struct GuardedProvider {
+    /// Provider name.
+    pub name: String,
+    /// The provider.
+    pub provider: Arc<dyn Provider>,
+    /// Its guard.
+    pub guard: guard::Guard,
+}
+
+/// The providers of one runtime, by name.
+#[derive(Default, Clone)]
+pub struct Providers {
+    by_name: BTreeMap<String, Arc<GuardedProvider>>,
+}
+
+/// A provider configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("provider {name:?}: {why}")]
+pub struct ProviderConfigError {
+    /// The provider.
+    pub name: String,
+    /// Why.
+    pub why: String,
+}
+
+impl Providers {
+    /// Builds every configured provider (secrets are read now, never passed to plugins).
+    pub fn from_config(
+        configs: &BTreeMap<String, ProviderConfig>,
+    ) -> Result<Self, ProviderConfigError> {
+        let mut providers = Providers::default();
+        for (name, config) in configs {
+            if name == JOBS_PROVIDER {
+                return Err(ProviderConfigError {
+                    name: name.clone(),
+                    why: "`jobs` is built in and cannot be configured".into(),
+                });
+            }
+            let provider = http::HttpProvider::from_config(name, config).map_err(|why| {
+                ProviderConfigError {
+                    name: name.clone(),
+                    why,
+                }
+            })?;
+            providers.insert(name, Arc::new(provider), guard::Guard::new(&config.guard));
+        }
+        Ok(providers)
+    }
+
+    /// Adds (or replaces) a provider.
+    pub fn insert(&mut self, name: &str, provider: Arc<dyn Provider>, guard: guard::Guard) {
+        self.by_name.insert(
+            name.to_string(),
+            Arc::new(GuardedProvider {
+                name: name.to_string(),
+                provider,
+                guard,
+            }),
+        );
+    }
+
+    /// A provider by name.
+    pub fn get(&self, name: &str) -> Option<Arc<GuardedProvider>> {
+        self.by_name.get(name).cloned()
+    }
+
+    /// Names of the configured providers.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.by_name.keys().map(String::as_str)
+    }
+}

@@ -1,0 +1,5 @@
+//! Host bindings for the `idem:plugin/job-plugin` world (generated from `wit/`).
+wasmtime::component::bindgen!({
+    world: "job-plugin",
+    path: "../wit",
+});

@@ -1,0 +1,177 @@
+//! Turning what a plugin call produced into effects or a classified failure.
+//!
+//! Plugin faults (timeout, out of memory, stack overflow, panic, other traps)
+//! are retryable: the same input may succeed once a fixed plugin version is
+//! deployed, and attempts are bounded. Contract violations (output too large,
+//! invalid keys) are permanent: the same plugin version returns the same plan.
+
+use super::PluginLimits;
+use super::bindings::idem::plugin::types as wit;
+use super::guest::MemoryCapExceeded;
+use crate::effects::{self, Action, Effect, EmailTemplate, OutputLimits};
+use crate::failure::{Failure, truncate};
+use std::time::Duration;
+use wasmtime::Trap;
+
+/// Longest plugin error message accepted; longer is `plugin_output_too_large`.
+pub const MAX_ERROR_MESSAGE: usize = 64 << 10;
+
+/// wasmtime's (private) error when a guest hands the host more data than the
+/// store's hostcall fuel allows; its type is not exported, its text is stable.
+const HOSTCALL_FUEL_EXHAUSTED: &str = "fuel allocated for hostcalls has been exhausted";
+
+/// Hostcall fuel (bytes a guest may hand the host in one call) for these
+/// caps: the lifted plan can never be much larger than what the caps allow.
+pub fn hostcall_fuel(output: &OutputLimits) -> usize {
+    output
+        .max_bytes
+        .saturating_mul(4)
+        .saturating_add(output.max_effects.saturating_mul(1024))
+        .saturating_add(MAX_ERROR_MESSAGE * 2)
+}
+
+/// Classifies an error raised while instantiating or calling the plugin.
+pub fn trap(error: &wasmtime::Error, limits: &PluginLimits, stderr: &str) -> Failure {
+    if let Some(cap) = error.downcast_ref::<MemoryCapExceeded>() {
+        return Failure::retryable("plugin_out_of_memory", cap.to_string());
+    }
+    if format!("{error:#}").contains(HOSTCALL_FUEL_EXHAUSTED) {
+        return Failure::permanent(
+            "plugin_output_too_large",
+            format!(
+                "the plugin tried to hand the host more data than its output caps allow ({} effects, {} bytes)",
+                limits.output.max_effects, limits.output.max_bytes
+            ),
+        );
+    }
+    match error.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => Failure::retryable(
+            "plugin_timeout",
+            format!(
+                "the plugin ran past its {:?} deadline and was stopped",
+                limits.deadline
+            ),
+        ),
+        Some(Trap::OutOfFuel) => Failure::retryable(
+            "plugin_timeout",
+            format!(
+                "the plugin used up its fuel budget of {}",
+                limits.fuel.unwrap_or_default()
+            ),
+        ),
+        Some(Trap::StackOverflow) => {
+            Failure::retryable("plugin_stack_overflow", "the plugin overflowed its stack")
+        }
+        Some(Trap::UnreachableCodeReached) => {
+            let reason =
+                panic_message(stderr).unwrap_or_else(|| "no panic message was printed".into());
+            Failure::retryable("plugin_panic", format!("the plugin panicked: {reason}"))
+        }
+        Some(other) => Failure::retryable("plugin_trap", format!("the plugin trapped: {other}")),
+        None => Failure::retryable(
+            "plugin_trap",
+            truncate(format!("{error:#}"), Failure::MAX_MESSAGE),
+        ),
+    }
+}
+
+/// The guest's last panic report on stderr (`panicked at FILE:` plus the
+/// message on the next line), if any.
+fn panic_message(stderr: &str) -> Option<String> {
+    let lines: Vec<&str> = stderr.lines().collect();
+    let at = lines
+        .iter()
+        .rposition(|line| line.contains("panicked at"))?;
+    let location = lines[at]
+        .split("panicked at ")
+        .nth(1)
+        .unwrap_or("")
+        .trim_end_matches(':');
+    let message = lines.get(at + 1).map(|l| l.trim()).unwrap_or("");
+    Some(format!("{message} (at {location})"))
+}
+
+/// Converts and checks a returned plan.
+pub fn effects(returned: Vec<wit::Effect>, limits: &OutputLimits) -> Result<Vec<Effect>, Failure> {
+    if returned.len() > limits.max_effects {
+        // Refuse before converting: a flood must not cost a second copy.
+        return Err(Failure::permanent(
+            "plugin_output_too_large",
+            format!(
+                "the plugin returned {} effects, at most {} allowed",
+                returned.len(),
+                limits.max_effects
+            ),
+        ));
+    }
+    let effects: Vec<Effect> = returned.into_iter().map(convert).collect();
+    effects::check_plan(&effects, limits)?;
+    Ok(effects)
+}
+
+/// Converts the plugin's own error, refusing oversized messages.
+pub fn plugin_error(error: wit::JobError, limits: &OutputLimits) -> Failure {
+    let (code, message) = match &error {
+        wit::JobError::Retryable(e) => (&e.code, &e.message),
+        wit::JobError::Permanent(e) => (&e.code, &e.message),
+    };
+    let size = code.len() + message.len();
+    if size > MAX_ERROR_MESSAGE.min(limits.max_bytes) {
+        return Failure::permanent(
+            "plugin_output_too_large",
+            format!("the plugin returned a {size}-byte error, at most {MAX_ERROR_MESSAGE} allowed"),
+        );
+    }
+    if code.is_empty() || code.len() > 64 {
+        return Failure::permanent(
+            "invalid_error_code",
+            format!(
+                "the plugin returned an error code of {} bytes (1..=64 allowed)",
+                code.len()
+            ),
+        );
+    }
+    match error {
+        wit::JobError::Retryable(e) => Failure::retryable(e.code, e.message)
+            .with_retry_after(e.retry_after_ms.map(Duration::from_millis)),
+        wit::JobError::Permanent(e) => Failure::permanent(e.code, e.message),
+    }
+}
+
+fn pairs(list: Vec<wit::Pair>) -> Vec<(String, String)> {
+    list.into_iter().map(|p| (p.name, p.value)).collect()
+}
+
+fn convert(effect: wit::Effect) -> Effect {
+    let action = match effect.action {
+        wit::Action::Http(r) => Action::Http {
+            method: r.method,
+            path: r.path,
+            headers: pairs(r.headers),
+            body: r.body,
+        },
+        wit::Action::Email(e) => Action::Email {
+            to: e.to,
+            subject: e.subject,
+            text: e.text,
+            html: e.html,
+            template: e.template.map(|t| EmailTemplate {
+                name: t.name,
+                variables: pairs(t.variables),
+            }),
+        },
+        wit::Action::Enqueue(j) => Action::Enqueue {
+            plugin: j.plugin,
+            queue: j.queue,
+            payload: j.payload,
+            delay_ms: j.delay_ms,
+            priority: j.priority,
+        },
+        wit::Action::Custom(body) => Action::Custom { body },
+    };
+    Effect {
+        provider: effect.provider,
+        idempotency_key: effect.idempotency_key,
+        action,
+    }
+}

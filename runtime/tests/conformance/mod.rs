@@ -1,0 +1,181 @@
+//! The store conformance suite: every case runs against every backend.
+//!
+//! A case is `pub async fn case(store: Arc<dyn Store>)` in the submodule of
+//! its area; [`conformance_suite!`] turns each into a test for one backend
+//! given a factory (`async fn() -> Fixture`). A case missing from the macro's
+//! list is dead code, which `clippy -D warnings` rejects; a listed case that
+//! does not exist does not compile.
+//!
+//! # Layout
+//! - [`insert`]: enqueue, uniqueness, batches, listing.
+//! - [`claim`]: atomic claims, ordering, scheduling, queue limits.
+//! - [`lifecycle`]: leases, fencing, retries, release, plans, pruning, stats.
+//! - [`dlq`]: the dead-letter queue and replay.
+//! - [`effects`]: the effect ledger.
+
+pub mod claim;
+pub mod dlq;
+pub mod effects;
+pub mod insert;
+pub mod lifecycle;
+
+use futures::future::BoxFuture;
+use idem::store::{ClaimParams, ErrorRecord, Job, JobFence, JobId, NewJob, Store};
+use std::any::Any;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A store for one test, and whatever must outlive it (a temp dir) or run
+/// after it (dropping a schema).
+pub struct Fixture {
+    /// The store under test.
+    pub store: Arc<dyn Store>,
+    /// Kept alive until the case is done.
+    pub keep: Box<dyn Any + Send>,
+    /// Runs after the case, even when it panicked.
+    pub teardown: Option<BoxFuture<'static, ()>>,
+}
+
+/// Runs one case on a fresh store, tears the store down, then re-raises the
+/// case's panic if it had one.
+pub async fn run<F, Fut, C, CFut>(factory: F, case: C)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Fixture>,
+    C: FnOnce(Arc<dyn Store>) -> CFut,
+    CFut: Future<Output = ()> + Send + 'static,
+{
+    let fixture = factory().await;
+    let outcome = tokio::spawn(case(fixture.store.clone())).await;
+    let Fixture { store, keep, teardown } = fixture;
+    drop(store);
+    if let Some(teardown) = teardown {
+        teardown.await;
+    }
+    drop(keep);
+    if let Err(e) = outcome {
+        match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(e) => panic!("case did not finish: {e}"),
+        }
+    }
+}
+
+/// Expands to one `#[tokio::test]` per conformance case, each on a fresh
+/// store from `$factory` (an `async fn() -> Fixture`).
+macro_rules! conformance_suite {
+    ($factory:expr) => {
+        $crate::conformance::conformance_suite!(@cases $factory;
+            insert::insert_roundtrip,
+            insert::insert_duplicate_key_returns_existing,
+            insert::insert_rejects_invalid_input,
+            insert::insert_unique_key_race,
+            insert::insert_many_batch_with_duplicates,
+            insert::insert_many_is_all_or_nothing,
+            insert::job_list_filters,
+            claim::claim_race_exactly_once,
+            claim::claim_orders_by_priority_run_at_id,
+            claim::claim_skips_scheduled_jobs,
+            claim::claim_sets_lease_and_stays_in_queue,
+            claim::claim_respects_queue_concurrency,
+            claim::claim_queue_concurrency_race,
+            lifecycle::lease_expiry_rescue_fences_stale_worker,
+            lifecycle::heartbeat_extends_lease,
+            lifecycle::rescue_without_attempts_left_is_dead,
+            lifecycle::retrying_not_claimable_before_run_at,
+            lifecycle::retrying_refunds_attempt,
+            lifecycle::release_at_shutdown,
+            lifecycle::plan_saved_once,
+            lifecycle::error_history_is_bounded,
+            lifecycle::cancel_only_waiting_jobs,
+            lifecycle::prune_deletes_finished_past_retention,
+            lifecycle::stats_and_drained,
+            lifecycle::wait_for_jobs_wakes_on_insert,
+            dlq::dead_keeps_metadata,
+            dlq::dead_redacts_payload,
+            dlq::replay_resets_attempts_keeps_key,
+            dlq::dead_jobs_filter_by_plugin_and_code,
+            effects::effect_claim_then_already_succeeded,
+            effects::effect_lease_blocks_until_expiry,
+            effects::effect_fingerprint_conflict,
+            effects::effect_claim_race,
+            effects::effect_failure_allows_reclaim,
+            effects::effect_child_in_transaction,
+            effects::effect_child_fenced_out,
+            effects::effect_child_existing_key,
+            effects::effect_list_by_job,
+        );
+    };
+    (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                $crate::conformance::run($factory, $crate::conformance::$area::$case).await;
+            }
+        )*
+    };
+}
+pub(crate) use conformance_suite;
+
+/// A job for `plugin` on the `default` queue.
+pub fn job(plugin: &str) -> NewJob {
+    NewJob::new(plugin, format!(r#"{{"plugin":"{plugin}"}}"#).into_bytes())
+}
+
+/// A job with an idempotency key.
+pub fn keyed(plugin: &str, key: &str) -> NewJob {
+    NewJob {
+        idempotency_key: Some(key.to_string()),
+        ..job(plugin)
+    }
+}
+
+/// Claim params for the `default` queue.
+pub fn claim_params(worker: &str, limit: u32, lease: Duration) -> ClaimParams {
+    ClaimParams {
+        queue: "default".into(),
+        worker: worker.into(),
+        limit,
+        lease,
+        queue_concurrency: None,
+    }
+}
+
+/// Claims exactly one job (panics otherwise).
+pub async fn claim_one(store: &Arc<dyn Store>, worker: &str, lease: Duration) -> Job {
+    let mut jobs = store.job_claim(claim_params(worker, 1, lease)).await.unwrap();
+    assert_eq!(jobs.len(), 1, "expected one claimable job");
+    jobs.remove(0)
+}
+
+/// Reads a job that must exist.
+pub async fn get(store: &Arc<dyn Store>, id: JobId) -> Job {
+    store.job_get(id).await.unwrap().expect("job exists")
+}
+
+/// A classified error record.
+pub fn error(attempt: u32, class: &str, code: &str) -> ErrorRecord {
+    ErrorRecord {
+        attempt,
+        class: class.into(),
+        code: code.into(),
+        message: format!("{code} happened"),
+        at_ms: 0,
+    }
+}
+
+/// A fence for the same job and attempt held by another worker.
+pub fn other_worker(fence: &JobFence, worker: &str) -> JobFence {
+    JobFence {
+        worker: worker.into(),
+        ..fence.clone()
+    }
+}
+
+/// Long enough that no lease in a test runs out by accident.
+pub const LONG: Duration = Duration::from_secs(60);
+/// A lease meant to run out during the test.
+pub const SHORT: Duration = Duration::from_millis(150);
+/// Sleep this long for a [`SHORT`] lease to have run out.
+pub const PAST_SHORT: Duration = Duration::from_millis(250);

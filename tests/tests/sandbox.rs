@@ -1,0 +1,360 @@
+//! The sandbox against real guest plugins: examples return exactly their
+//! effects, hostile plugins get their classified codes within their limits,
+//! and the host keeps serving afterwards.
+
+use idem::effects::Action;
+use idem::failure::{ErrorClass, Failure};
+use idem::sandbox::{JobInput, Sandbox, SandboxConfig};
+use idem_tests::{load, plugins, sandbox};
+use std::time::{Duration, Instant};
+
+fn job(payload: &str) -> JobInput {
+    JobInput {
+        id: 7,
+        queue: "default".into(),
+        payload: payload.as_bytes().to_vec(),
+        attempt: 1,
+        max_attempts: 10,
+        idempotency_key: None,
+        correlation_id: "corr-1".into(),
+        enqueued_at_ms: 0,
+    }
+}
+
+fn run(
+    sandbox: &Sandbox,
+    path: &str,
+    payload: &str,
+) -> Result<Vec<idem::effects::Effect>, Failure> {
+    let plugin = load(sandbox, path);
+    sandbox.run(&plugin.compiled, &job(payload))
+}
+
+fn failure(sandbox: &Sandbox, path: &str) -> (Failure, Duration) {
+    let started = Instant::now();
+    let failure = run(sandbox, path, "{}").expect_err("the plugin must fail");
+    (failure, started.elapsed())
+}
+
+/// After a hostile plugin, the same engine still runs a good job.
+fn assert_still_serving(sandbox: &Sandbox) {
+    let effects = run(
+        sandbox,
+        plugins::SEND_INVOICE_EMAIL,
+        r#"{"invoice_id": 1, "recipient": "ana@example.com"}"#,
+    )
+    .expect("a good job after a hostile one");
+    assert_eq!(effects.len(), 1);
+}
+
+#[test]
+fn send_invoice_email_returns_one_email_keyed_by_invoice() {
+    let sandbox = sandbox();
+    let effects = run(
+        &sandbox,
+        plugins::SEND_INVOICE_EMAIL,
+        r#"{"invoice_id": 42, "recipient": "ana@example.com"}"#,
+    )
+    .unwrap();
+    assert_eq!(effects.len(), 1);
+    assert_eq!(effects[0].provider, "email");
+    assert_eq!(effects[0].idempotency_key, "invoice:42:email:v1");
+    match &effects[0].action {
+        Action::Email {
+            to, subject, text, ..
+        } => {
+            assert_eq!(to, &vec!["ana@example.com".to_string()]);
+            assert_eq!(subject, "Invoice 42");
+            assert!(text.as_deref().unwrap_or_default().contains("42"));
+        }
+        other => panic!("expected an email, got {other:?}"),
+    }
+}
+
+#[test]
+fn send_invoice_email_refuses_an_invalid_recipient_permanently() {
+    let sandbox = sandbox();
+    let err = run(
+        &sandbox,
+        plugins::SEND_INVOICE_EMAIL,
+        r#"{"invoice_id": 42, "recipient": "not-an-address"}"#,
+    )
+    .unwrap_err();
+    assert_eq!(err.class, ErrorClass::Permanent);
+    assert_eq!(err.code, "invalid_recipient");
+}
+
+#[test]
+fn a_malformed_payload_is_permanent_payload_invalid() {
+    let sandbox = sandbox();
+    for payload in ["not json", r#"{"invoice_id": "x"}"#, "{}"] {
+        let err = run(&sandbox, plugins::SEND_INVOICE_EMAIL, payload).unwrap_err();
+        assert_eq!(err.class, ErrorClass::Permanent, "{payload}");
+        assert_eq!(err.code, "payload_invalid", "{payload}");
+    }
+}
+
+#[test]
+fn order_sync_returns_a_webhook_and_a_child_invoice_job() {
+    let sandbox = sandbox();
+    let effects = run(
+        &sandbox,
+        plugins::ORDER_SYNC,
+        r#"{"order_id": 7, "event_id": "evt_1", "destination": "acme"}"#,
+    )
+    .unwrap();
+    let keys: Vec<_> = effects
+        .iter()
+        .map(|e| (e.provider.as_str(), e.idempotency_key.as_str()))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            ("partner", "webhook:evt_1:acme"),
+            ("jobs", "order:7:invoice")
+        ]
+    );
+    match &effects[0].action {
+        Action::Http {
+            method, path, body, ..
+        } => {
+            assert_eq!(method, "POST");
+            assert_eq!(path, "/partners/acme/orders");
+            let body: serde_json::Value = serde_json::from_slice(body.as_deref().unwrap()).unwrap();
+            assert_eq!(
+                body,
+                serde_json::json!({"order_id": 7, "event_id": "evt_1"})
+            );
+        }
+        other => panic!("expected http, got {other:?}"),
+    }
+    match &effects[1].action {
+        Action::Enqueue {
+            plugin, payload, ..
+        } => {
+            assert_eq!(plugin, "send_invoice_email");
+            let payload: serde_json::Value = serde_json::from_slice(payload).unwrap();
+            assert_eq!(payload["invoice_id"], 7);
+        }
+        other => panic!("expected enqueue, got {other:?}"),
+    }
+}
+
+#[test]
+fn noop_returns_nothing() {
+    assert!(run(&sandbox(), plugins::NOOP, "{}").unwrap().is_empty());
+}
+
+#[test]
+fn an_endless_loop_stops_at_its_deadline() {
+    let sandbox = sandbox();
+    let (err, took) = failure(&sandbox, plugins::HOSTILE_LOOP);
+    assert_eq!(err.code, "plugin_timeout", "{err}");
+    assert_eq!(err.class, ErrorClass::Retryable);
+    // The manifest sets 300 ms; allow for a slow shared machine.
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(took >= Duration::from_millis(300), "took {took:?}");
+    assert_still_serving(&sandbox);
+}
+
+#[test]
+fn fuel_budgets_stop_a_loop_too() {
+    let sandbox = Sandbox::new(SandboxConfig {
+        fuel: true,
+        ..SandboxConfig::default()
+    })
+    .unwrap();
+    let mut plugin = load(&sandbox, plugins::HOSTILE_LOOP);
+    plugin.compiled.limits.fuel = Some(1_000_000);
+    plugin.compiled.limits.deadline = Duration::from_secs(30);
+    let err = sandbox.run(&plugin.compiled, &job("{}")).unwrap_err();
+    assert_eq!(err.code, "plugin_timeout");
+    assert!(err.message.contains("fuel"), "{err}");
+}
+
+#[test]
+fn a_one_gib_allocation_is_refused_as_out_of_memory() {
+    let sandbox = sandbox();
+    let (err, _) = failure(&sandbox, plugins::HOSTILE_MEMORY_BOMB);
+    assert_eq!(err.code, "plugin_out_of_memory", "{err}");
+    assert!(err.message.contains("cap"), "{err}");
+    assert_still_serving(&sandbox);
+}
+
+#[test]
+fn unbounded_recursion_is_a_stack_overflow() {
+    let sandbox = sandbox();
+    let (err, _) = failure(&sandbox, plugins::HOSTILE_RECURSION);
+    assert_eq!(err.code, "plugin_stack_overflow", "{err}");
+    assert_still_serving(&sandbox);
+}
+
+#[test]
+fn a_million_effects_are_refused_as_output_too_large() {
+    let sandbox = sandbox();
+    let (err, _) = failure(&sandbox, plugins::HOSTILE_EFFECT_FLOOD);
+    assert_eq!(err.code, "plugin_output_too_large", "{err}");
+    assert_eq!(err.class, ErrorClass::Permanent);
+    assert!(err.message.contains("output caps"), "{err}");
+    assert_still_serving(&sandbox);
+}
+
+#[test]
+fn a_100_mib_string_is_refused_as_output_too_large() {
+    let sandbox = sandbox();
+    let (err, _) = failure(&sandbox, plugins::HOSTILE_HUGE_STRING);
+    assert_eq!(err.code, "plugin_output_too_large", "{err}");
+    assert!(err.message.len() < 1000);
+    assert_still_serving(&sandbox);
+}
+
+#[test]
+fn a_panic_is_classified_with_its_message() {
+    let sandbox = sandbox();
+    let (err, _) = failure(&sandbox, plugins::HOSTILE_PANIC);
+    assert_eq!(err.code, "plugin_panic", "{err}");
+    assert!(err.message.contains("gave up on purpose"), "{err}");
+    assert_still_serving(&sandbox);
+}
+
+#[test]
+fn the_escape_plugin_sees_files_env_and_network_refused() {
+    let sandbox = sandbox();
+    let effects = run(&sandbox, plugins::HOSTILE_ESCAPE, "{}").unwrap();
+    let Action::Custom { body } = &effects[0].action else {
+        panic!("expected a report");
+    };
+    let report: serde_json::Value = serde_json::from_slice(body).unwrap();
+    for what in ["file", "dir", "env", "tcp"] {
+        let outcome = report[what].as_str().unwrap();
+        assert!(
+            outcome.starts_with("error"),
+            "{what} was not refused: {outcome}"
+        );
+    }
+}
+
+#[test]
+fn a_forbidden_import_is_rejected_at_load_naming_the_import() {
+    let sandbox = sandbox();
+    let err = idem::plugins::registry::load_file(
+        &sandbox,
+        std::path::Path::new(plugins::HOSTILE_FORBIDDEN_IMPORT),
+    )
+    .unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("evil:plugin/exfiltrate"), "{message}");
+    assert!(message.contains("does not provide"), "{message}");
+}
+
+#[test]
+fn garbage_is_not_a_component() {
+    let sandbox = sandbox();
+    let err = sandbox
+        .load("junk", b"definitely not wasm", Default::default())
+        .unwrap_err();
+    assert!(
+        matches!(err, idem::sandbox::SandboxError::NotAComponent(_)),
+        "{err}"
+    );
+    // A core module is WebAssembly but not a component.
+    let core = b"\0asm\x01\0\0\0";
+    assert!(sandbox.load("core", core, Default::default()).is_err());
+}
+
+#[test]
+fn each_job_gets_a_fresh_instance() {
+    // The same plugin run many times on one engine: no state survives a job,
+    // and the pool does not leak slots.
+    let sandbox = sandbox();
+    let plugin = load(&sandbox, plugins::SEND_INVOICE_EMAIL);
+    for i in 0..500 {
+        let payload = format!(r#"{{"invoice_id": {i}, "recipient": "a@example.com"}}"#);
+        let effects = sandbox.run(&plugin.compiled, &job(&payload)).unwrap();
+        assert_eq!(effects[0].idempotency_key, format!("invoice:{i}:email:v1"));
+    }
+}
+
+#[test]
+fn the_component_cache_is_reused_across_engines() {
+    let cache = tempfile::tempdir().unwrap();
+    let config = SandboxConfig {
+        cache_dir: Some(cache.path().to_path_buf()),
+        ..SandboxConfig::default()
+    };
+    let wasm = std::fs::read(plugins::NOOP).unwrap();
+    let first = Sandbox::new(config.clone()).unwrap();
+    first.load("noop", &wasm, Default::default()).unwrap();
+    let entries: Vec<_> = std::fs::read_dir(cache.path()).unwrap().collect();
+    assert_eq!(entries.len(), 1, "one artifact cached");
+    let second = Sandbox::new(config).unwrap();
+    let started = Instant::now();
+    let plugin = second.load("noop", &wasm, Default::default()).unwrap();
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(second.run(&plugin, &job("{}")).unwrap().is_empty());
+    // A corrupted entry costs a recompile, never a failure.
+    let entry = std::fs::read_dir(cache.path())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::write(&entry, b"garbage").unwrap();
+    assert!(second.load("noop", &wasm, Default::default()).is_ok());
+}
+
+#[test]
+fn the_registry_loads_the_folder_and_reports_bad_files_by_name() {
+    let (dir, registry) = idem_tests::registry_copy();
+    std::fs::write(dir.path().join("broken.wasm"), b"nope").unwrap();
+    let report = registry.refresh();
+    let failed: Vec<_> = report
+        .errors
+        .iter()
+        .map(|(p, _)| p.file_name().unwrap().to_str().unwrap().to_string())
+        .collect();
+    assert_eq!(failed, ["broken.wasm", "hostile_forbidden_import.wasm"]);
+    assert!(registry.get("send_invoice_email").is_some());
+    assert!(registry.get("noop").is_some());
+    assert!(registry.get("broken").is_none());
+    // The manifest is applied.
+    let looping = registry.get("hostile_loop").unwrap();
+    assert_eq!(looping.compiled.limits.deadline, Duration::from_millis(300));
+}
+
+#[test]
+fn replacing_a_file_while_running_switches_new_jobs_to_the_new_version() {
+    let (dir, registry) = idem_tests::registry_copy();
+    registry.refresh();
+    let _watcher = registry.watch().unwrap();
+    let before = registry.get("noop").unwrap();
+    let target = dir.path().join("noop.wasm");
+    std::fs::copy(plugins::SEND_INVOICE_EMAIL, &target).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = registry.get("noop").unwrap();
+        if now.hash() != before.hash() {
+            // The new version really runs.
+            let err = registry
+                .sandbox()
+                .run(&now.compiled, &job("{}"))
+                .unwrap_err();
+            assert_eq!(err.code, "payload_invalid");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the change was not picked up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The old version keeps running for the jobs that hold it.
+    assert!(
+        registry
+            .sandbox()
+            .run(&before.compiled, &job("{}"))
+            .unwrap()
+            .is_empty()
+    );
+    // Removing a file removes the plugin.
+    std::fs::remove_file(&target).unwrap();
+    let report = registry.refresh();
+    assert_eq!(report.removed, ["noop"]);
+}
