@@ -7,6 +7,8 @@
 //! - [`effects`]: effects as the host sees them, and plan checks.
 //! - [`sandbox`]: the wasmtime engine, plugin compilation and per-job instances.
 //! - [`plugins`]: the plugins folder, manifests and hot reload.
+//! - [`queue`]: the worker loop, outcomes, backoff, rescuer and pruner.
+//! - [`metrics`]: metric names and the Prometheus exporter.
 //! - [`store`]: the store contract with SQLite and PostgreSQL implementations.
 //! - [`providers`]: where effects are carried out (http, email), with retry-storm guards.
 //! - [`config`]: `idem.toml` and environment overrides.
@@ -16,8 +18,10 @@ pub mod cli;
 pub mod config;
 pub mod effects;
 pub mod failure;
+pub mod metrics;
 pub mod plugins;
 pub mod provider_server;
 pub mod providers;
+pub mod queue;
 pub mod sandbox;
 pub mod store;

@@ -32,3 +32,184 @@ pub fn registry_copy() -> (tempfile::TempDir, Arc<PluginRegistry>) {
 pub fn load(sandbox: &Sandbox, path: &str) -> idem::plugins::LoadedPlugin {
     load_file(sandbox, std::path::Path::new(path)).expect("load plugin")
 }
+
+use idem::config::RetentionConfig;
+use idem::provider_server::{ProviderServerConfig, ProviderServerHandle};
+use idem::providers::{ProviderConfig, Providers};
+use idem::queue::backoff::Backoff;
+use idem::queue::stats::StatsSnapshot;
+use idem::queue::{Worker, WorkerSettings};
+use idem::store::Store;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The two store backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// A fresh SQLite file.
+    Sqlite,
+    /// A fresh schema on the local PostgreSQL (`DATABASE_URL` overrides).
+    Postgres,
+}
+
+/// PostgreSQL for tests.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string())
+}
+
+/// A fresh, empty store; the guard keeps its file (SQLite) alive.
+pub async fn store(backend: Backend) -> (Arc<dyn Store>, Box<dyn std::any::Any + Send>) {
+    match backend {
+        Backend::Sqlite => {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+            let store = idem::store::connect(&url).await.expect("sqlite store");
+            (store, Box::new(dir))
+        }
+        Backend::Postgres => {
+            let schema = format!("idem_e2e_{}", hex::encode(rand::random::<[u8; 8]>()));
+            let store =
+                idem::store::postgres::PostgresStore::connect_with_schema(&database_url(), &schema)
+                    .await
+                    .expect("postgres store (is PostgreSQL running on 127.0.0.1:5432?)");
+            (Arc::new(store), Box::new(schema))
+        }
+    }
+}
+
+/// Generates one `#[tokio::test]` per backend for an `async fn(Backend)`.
+#[macro_export]
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() { super::$name($crate::Backend::Sqlite).await }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() { super::$name($crate::Backend::Postgres).await }
+            )*
+        }
+    };
+}
+
+/// A store, a provider server, a copy of the plugins folder and helpers to
+/// run workers over them.
+pub struct Harness {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// The local provider server.
+    pub provider: ProviderServerHandle,
+    /// Registry over `plugins_dir`.
+    pub registry: Arc<PluginRegistry>,
+    /// A temporary copy of the built plugins.
+    pub plugins_dir: tempfile::TempDir,
+    /// Provider request timeout.
+    pub provider_timeout: Duration,
+    _guard: Box<dyn std::any::Any + Send>,
+}
+
+impl Harness {
+    /// A fresh harness on `backend`.
+    pub async fn new(backend: Backend) -> Self {
+        Self::with_provider(backend, ProviderServerConfig::default()).await
+    }
+
+    /// A fresh harness with a configured provider server.
+    pub async fn with_provider(backend: Backend, config: ProviderServerConfig) -> Self {
+        let (store, guard) = store(backend).await;
+        let provider = ProviderServerHandle::start(config)
+            .await
+            .expect("provider server");
+        let (plugins_dir, registry) = registry_copy();
+        let report = registry.refresh();
+        assert_eq!(
+            report.errors.len(),
+            1,
+            "only the forbidden-import plugin fails: {:?}",
+            report.errors
+        );
+        Harness {
+            store,
+            provider,
+            registry,
+            plugins_dir,
+            provider_timeout: Duration::from_millis(500),
+            _guard: guard,
+        }
+    }
+
+    /// Providers `email` and `partner`, both on the provider server.
+    pub fn providers(&self) -> Providers {
+        let mut configs = BTreeMap::new();
+        for (name, kind) in [("email", "email"), ("partner", "http")] {
+            let config: ProviderConfig = toml_config(&format!(
+                "kind = \"{kind}\"\nbase_url = \"{}\"\ntimeout = \"{}ms\"\nbreaker_failures = 1000",
+                self.provider.base_url,
+                self.provider_timeout.as_millis()
+            ));
+            configs.insert(name.to_string(), config);
+        }
+        Providers::from_config(&configs).expect("providers")
+    }
+
+    /// Worker settings for tests: fast backoff and polling, drains and exits.
+    pub fn settings(&self, id: &str) -> WorkerSettings {
+        WorkerSettings {
+            id: id.to_string(),
+            queues: BTreeMap::from([("default".to_string(), 4)]),
+            queue_limits: BTreeMap::new(),
+            poll_interval: Duration::from_millis(50),
+            lease: Duration::from_secs(5),
+            shutdown_grace: Duration::from_secs(5),
+            max_attempts: 5,
+            backoff: Backoff {
+                base: Duration::from_millis(20),
+                max: Duration::from_millis(200),
+            },
+            redact_dead_payloads: false,
+            retention: RetentionConfig::default(),
+            exit_when_drained: true,
+        }
+    }
+
+    /// Runs a worker until the queue drains (panics after 60 s).
+    pub async fn drain(&self) -> StatsSnapshot {
+        self.drain_with(self.providers()).await
+    }
+
+    /// Runs a worker with these providers until the queue drains.
+    pub async fn drain_with(&self, providers: Providers) -> StatsSnapshot {
+        let worker = Worker::new(
+            self.store.clone(),
+            self.registry.clone(),
+            providers,
+            self.settings("test-worker"),
+        );
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            worker.run(tokio_util::sync::CancellationToken::new()),
+        )
+        .await
+        .expect("the queue drains within 60 s")
+        .expect("worker")
+    }
+
+    /// Writes a manifest for a plugin in the copied folder and reloads.
+    pub fn set_manifest(&self, plugin: &str, manifest: &str) {
+        std::fs::write(
+            self.plugins_dir.path().join(format!("{plugin}.toml")),
+            manifest,
+        )
+        .expect("manifest");
+        self.registry.refresh();
+    }
+}
+
+fn toml_config(text: &str) -> ProviderConfig {
+    toml::from_str(text).expect("provider config")
+}

@@ -7,9 +7,13 @@
 //! # Layout
 //! - this module: argument definitions and dispatch.
 //! - [`plugins`]: `idem plugins list|check` and `idem invoke`.
+//! - [`queue`]: `idem migrate|enqueue|run|stats`.
+//! - [`dlq`]: `idem dlq list|show|replay`.
 //! - [`server`]: `idem provider-server`.
 
+pub mod dlq;
 pub mod plugins;
+pub mod queue;
 pub mod server;
 
 use clap::{Parser, Subcommand};
@@ -50,6 +54,9 @@ pub struct Cli {
     /// Folder of plugins (`*.wasm` + optional `<name>.toml`).
     #[arg(long, global = true)]
     pub plugins_dir: Option<PathBuf>,
+    /// Database URL: `sqlite://PATH` (default `sqlite://idem.db`) or `postgres://...`.
+    #[arg(long, global = true, env = "IDEM_DATABASE_URL")]
+    pub database_url: Option<String>,
     /// Log filter, e.g. `info` or `idem=debug` (logs go to stderr).
     #[arg(long, global = true, env = "IDEM_LOG", default_value = "warn")]
     pub log: String,
@@ -75,6 +82,21 @@ pub enum Command {
         #[arg(long)]
         key: Option<String>,
     },
+    /// Create or upgrade the database schema.
+    Migrate,
+    /// Enqueue a job; prints its id (the existing job's for a duplicate key).
+    Enqueue(queue::EnqueueArgs),
+    /// Run the worker: claim jobs, run plugins, carry out effects.
+    Run(queue::RunArgs),
+    /// Job counts per state, as JSON.
+    Stats {
+        /// Only this queue.
+        #[arg(long)]
+        queue: Option<String>,
+    },
+    /// The dead-letter queue.
+    #[command(subcommand)]
+    Dlq(dlq::DlqCommand),
     /// Run the local idempotent provider server (for demos and tests).
     ProviderServer(server::ProviderServerArgs),
 }
@@ -108,5 +130,10 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             key,
         } => plugins::invoke(&config, &plugins_dir, &plugin, &payload, key).await,
         Command::ProviderServer(args) => server::run(args).await,
+        Command::Migrate => queue::migrate(&config).await,
+        Command::Enqueue(args) => queue::enqueue(&config, &plugins_dir, args).await,
+        Command::Run(args) => queue::run(&config, &plugins_dir, args).await,
+        Command::Stats { queue } => queue::stats(&config, queue.as_deref()).await,
+        Command::Dlq(command) => dlq::run(&config, command).await,
     }
 }

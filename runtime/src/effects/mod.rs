@@ -3,6 +3,9 @@
 //!
 //! # Layout
 //! - this module: [`Effect`], [`Action`] and the plan checks ([`check_plan`]).
+//! - [`executor`]: carrying a stored plan out through the ledger and providers.
+
+pub mod executor;
 
 use crate::failure::Failure;
 use serde::{Deserialize, Serialize};

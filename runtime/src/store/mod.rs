@@ -1,5 +1,6 @@
 //! The store contract: one interface, a SQLite and a PostgreSQL
-//! implementation, one conformance suite (`tests/store_conformance.rs`).
+//! implementation, one conformance suite (`tests/conformance/`, run for each
+//! backend by `tests/store_sqlite.rs` and `tests/store_postgres.rs`).
 //!
 //! Methods read noun-verb-qualifier and take one params struct each (as
 //! River's driver interface does). Every write that finishes or reschedules a
@@ -11,6 +12,10 @@
 //! - this module: the [`Store`] trait, its params and rows.
 //! - [`sqlite`]: the embedded default (one file, WAL).
 //! - [`postgres`]: many nodes (`FOR UPDATE SKIP LOCKED`, LISTEN/NOTIFY).
+//! - `shared` (private): input checks and row decoding both backends use.
+//!
+//! Schemas live in `migrations/sqlite` and `migrations/postgres` and are
+//! applied on connect.
 
 pub mod postgres;
 mod shared;
@@ -298,7 +303,7 @@ pub struct JobFilter {
     pub error_code: Option<String>,
     /// Only these ids (all when empty).
     pub ids: Vec<JobId>,
-    /// Most rows (newest first by id).
+    /// Most rows (newest first by id); 0 means no limit.
     pub limit: u32,
 }
 
@@ -502,16 +507,24 @@ impl StoreError {
                 | sqlx::Error::PoolClosed
                 | sqlx::Error::WorkerCrashed
                 | sqlx::Error::Protocol(_) => true,
-                sqlx::Error::Database(db) => matches!(
-                    db.code().as_deref(),
-                    Some("40001" | "40P01" | "57P01" | "08006" | "08003" | "5" | "6" | "517")
-                ),
+                sqlx::Error::Database(db) => db
+                    .code()
+                    .is_some_and(|code| TRANSIENT_CODES.contains(&code.as_ref())),
                 _ => false,
             },
             _ => false,
         }
     }
 }
+
+/// Database error codes worth retrying. PostgreSQL SQLSTATEs: serialization
+/// failure, deadlock, shutdown or not yet accepting connections, too many
+/// connections, connection exceptions. SQLite extended result codes: BUSY
+/// (plain, RECOVERY, SNAPSHOT, TIMEOUT) and LOCKED (plain, SHAREDCACHE).
+const TRANSIENT_CODES: &[&str] = &[
+    "40001", "40P01", "57P01", "57P02", "57P03", "53300", "08000", "08001", "08003", "08004",
+    "08006", "5", "261", "517", "773", "6", "262",
+];
 
 /// Result alias of the store.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -533,7 +546,10 @@ pub trait Store: Send + Sync + 'static {
     /// Enqueues one job; a duplicate (plugin, key) returns the existing job.
     async fn job_insert(&self, job: NewJob) -> Result<Enqueued>;
 
-    /// Enqueues many jobs in one statement; results are in input order.
+    /// Enqueues many jobs in one transaction (chunked statements); results
+    /// are in input order. A key repeated within the batch or already stored
+    /// resolves to the existing job (`inserted: false`). One invalid job
+    /// rejects the whole batch.
     async fn job_insert_many(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>>;
 
     /// Reads one job.
@@ -550,7 +566,10 @@ pub trait Store: Send + Sync + 'static {
     async fn job_heartbeat(&self, params: HeartbeatParams) -> Result<Fence>;
 
     /// Stores the effect plan (JSON) and the plugin hash that produced it,
-    /// only if the job has none yet and the fence holds.
+    /// only if the job has none yet and the fence holds. When a plan already
+    /// exists (a redelivery) it is kept unchanged and the result is still
+    /// [`Fence::Applied`] if the fence holds: read the plan back from the
+    /// claimed job.
     async fn job_save_plan(&self, fence: &JobFence, plan: &str, plugin_hash: &str)
     -> Result<Fence>;
 
@@ -560,10 +579,13 @@ pub trait Store: Send + Sync + 'static {
     /// Finishes a job.
     async fn job_set_succeeded(&self, fence: &JobFence) -> Result<Fence>;
 
-    /// Schedules the next attempt (or a deferral).
+    /// Schedules the next attempt (or a deferral). A given error is appended
+    /// to the history with `at_ms` from the database clock and its message
+    /// cut to [`crate::failure::Failure::MAX_MESSAGE`].
     async fn job_set_retrying(&self, params: RetryParams) -> Result<Fence>;
 
-    /// Moves a job to the dead-letter queue.
+    /// Moves a job to the dead-letter queue, recording the error as
+    /// [`Store::job_set_retrying`] does.
     async fn job_set_dead(&self, params: DeadParams) -> Result<Fence>;
 
     /// Gives a lease back at shutdown: `available` at once, attempt kept.
@@ -607,7 +629,10 @@ pub trait Store: Send + Sync + 'static {
     async fn effect_set_failed(&self, params: EffectFailParams) -> Result<Fence>;
 
     /// Enqueues a child job (unique on its plugin and key) and marks the
-    /// effect succeeded with the child's id, in one transaction.
+    /// effect succeeded with the child's id, in one transaction. When fenced
+    /// out, nothing is written; the returned [`Enqueued`] is then the child
+    /// that already holds the key (`inserted: false`), or `JobId(0)` when
+    /// there is none.
     async fn effect_succeed_with_child(
         &self,
         fence: &EffectFence,

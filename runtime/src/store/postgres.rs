@@ -581,54 +581,41 @@ impl Store for PostgresStore {
              FROM picked WHERE jobs.id = picked.pid \
              RETURNING {job_cols}"
         );
-        let lease = shared::millis(params.lease);
-        let mut jobs = match params.queue_concurrency {
-            None => {
-                let rows = sqlx::query(claim)
-                    .bind(&params.worker)
-                    .bind(lease)
-                    .bind(&params.queue)
-                    .bind(i64::from(params.limit))
-                    .fetch_all(&self.pool)
-                    .await?;
-                jobs_from_rows(&rows)?
+        let mut tx = self.pool.begin().await?;
+        let mut limit = i64::from(params.limit);
+        if let Some(max) = params.queue_concurrency {
+            // Claimers of this queue take turns here, so the count below sees
+            // every committed claim before this one.
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock($1, hashtext(current_schema() || ':' || $2))",
+            )
+            .bind(CLAIM_LOCK_CLASS)
+            .bind(&params.queue)
+            .execute(&mut *tx)
+            .await?;
+            let running: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM jobs WHERE state = 'running' AND queue = $1",
+            )
+            .bind(&params.queue)
+            .fetch_one(&mut *tx)
+            .await?;
+            limit = limit.min(i64::from(max) - running);
+            if limit <= 0 {
+                tx.rollback().await?;
+                return Ok(Vec::new());
             }
-            Some(max) => {
-                let mut tx = self.pool.begin().await?;
-                // Claimers of this queue take turns here, so the count below
-                // sees every committed claim before this one.
-                sqlx::query(
-                    "SELECT pg_advisory_xact_lock($1, hashtext(current_schema() || ':' || $2))",
-                )
-                .bind(CLAIM_LOCK_CLASS)
-                .bind(&params.queue)
-                .execute(&mut *tx)
-                .await?;
-                let running: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM jobs WHERE state = 'running' AND queue = $1",
-                )
-                .bind(&params.queue)
-                .fetch_one(&mut *tx)
-                .await?;
-                let limit = i64::from(params.limit).min(i64::from(max) - running);
-                if limit <= 0 {
-                    tx.rollback().await?;
-                    return Ok(Vec::new());
-                }
-                let rows = sqlx::query(claim)
-                    .bind(&params.worker)
-                    .bind(lease)
-                    .bind(&params.queue)
-                    .bind(limit)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                // Decoded before the commit: an unreadable row rolls the
-                // claim back instead of leaving jobs running unattended.
-                let jobs = jobs_from_rows(&rows)?;
-                tx.commit().await?;
-                jobs
-            }
-        };
+        }
+        let rows = sqlx::query(claim)
+            .bind(&params.worker)
+            .bind(shared::millis(params.lease))
+            .bind(&params.queue)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?;
+        // Decoded before the commit: an unreadable row rolls the claim back
+        // instead of leaving jobs running that nobody works on.
+        let mut jobs = jobs_from_rows(&rows)?;
+        tx.commit().await?;
         // RETURNING has no defined order.
         jobs.sort_by(|a, b| {
             b.priority

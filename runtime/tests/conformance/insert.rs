@@ -39,32 +39,60 @@ pub async fn insert_roundtrip(store: Arc<dyn Store>) {
     assert!(job.run_at_ms - job.created_at_ms < 1_000);
 
     // A generated correlation id: 16 random bytes in hex.
-    let other = store.job_insert(job_for_delay(Duration::from_secs(3600))).await.unwrap();
+    let other = store
+        .job_insert(job_for_delay(Duration::from_secs(3600)))
+        .await
+        .unwrap();
     let other = get(&store, other.id).await;
     assert_eq!(other.correlation_id.len(), 32);
     assert!(other.correlation_id.bytes().all(|b| b.is_ascii_hexdigit()));
     assert_ne!(other.correlation_id, job.correlation_id);
     // Scheduled an hour ahead, by the database clock.
     let ahead = other.run_at_ms - other.created_at_ms;
-    assert!((3_599_000..3_601_000).contains(&ahead), "run_at is now + delay, got +{ahead} ms");
+    assert!(
+        (3_599_000..3_601_000).contains(&ahead),
+        "run_at is now + delay, got +{ahead} ms"
+    );
 }
 
 fn job_for_delay(delay: Duration) -> NewJob {
-    NewJob { delay, ..job("noop") }
+    NewJob {
+        delay,
+        ..job("noop")
+    }
 }
 
 pub async fn insert_duplicate_key_returns_existing(store: Arc<dyn Store>) {
-    let first = store.job_insert(keyed("a", "order:1:invoice")).await.unwrap();
-    assert!(first.inserted);
-    let again = store
-        .job_insert(NewJob { payload: b"different".to_vec(), ..keyed("a", "order:1:invoice") })
+    let first = store
+        .job_insert(keyed("a", "order:1:invoice"))
         .await
         .unwrap();
-    assert_eq!(again, Enqueued { id: first.id, inserted: false });
-    assert_ne!(get(&store, first.id).await.payload, b"different", "the first job is kept");
+    assert!(first.inserted);
+    let again = store
+        .job_insert(NewJob {
+            payload: b"different".to_vec(),
+            ..keyed("a", "order:1:invoice")
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        Enqueued {
+            id: first.id,
+            inserted: false
+        }
+    );
+    assert_ne!(
+        get(&store, first.id).await.payload,
+        b"different",
+        "the first job is kept"
+    );
 
     // The key is unique per plugin only.
-    let other_plugin = store.job_insert(keyed("b", "order:1:invoice")).await.unwrap();
+    let other_plugin = store
+        .job_insert(keyed("b", "order:1:invoice"))
+        .await
+        .unwrap();
     assert!(other_plugin.inserted);
     assert_ne!(other_plugin.id, first.id);
 
@@ -78,15 +106,33 @@ pub async fn insert_duplicate_key_returns_existing(store: Arc<dyn Store>) {
     let claimed = claim_one(&store, "w", LONG).await;
     assert_eq!(claimed.id, first.id);
     store.job_set_succeeded(&claimed.fence()).await.unwrap();
-    let after = store.job_insert(keyed("a", "order:1:invoice")).await.unwrap();
-    assert_eq!(after, Enqueued { id: first.id, inserted: false });
+    let after = store
+        .job_insert(keyed("a", "order:1:invoice"))
+        .await
+        .unwrap();
+    assert_eq!(
+        after,
+        Enqueued {
+            id: first.id,
+            inserted: false
+        }
+    );
 }
 
 pub async fn insert_rejects_invalid_input(store: Arc<dyn Store>) {
     let cases = [
-        NewJob { plugin: String::new(), ..job("x") },
-        NewJob { queue: String::new(), ..job("x") },
-        NewJob { max_attempts: 0, ..job("x") },
+        NewJob {
+            plugin: String::new(),
+            ..job("x")
+        },
+        NewJob {
+            queue: String::new(),
+            ..job("x")
+        },
+        NewJob {
+            max_attempts: 0,
+            ..job("x")
+        },
         keyed("x", ""),
         keyed("x", &"k".repeat(256)),
         keyed("x", "line\nbreak"),
@@ -94,13 +140,25 @@ pub async fn insert_rejects_invalid_input(store: Arc<dyn Store>) {
     ];
     for case in cases {
         let err = store.job_insert(case.clone()).await.unwrap_err();
-        assert!(matches!(err, StoreError::Invalid(_)), "{case:?} gave {err:?}");
+        assert!(
+            matches!(err, StoreError::Invalid(_)),
+            "{case:?} gave {err:?}"
+        );
         assert!(!err.is_transient());
     }
     // A bad job anywhere in a batch rejects the batch.
-    let err = store.job_insert_many(vec![job("x"), keyed("x", "")]).await.unwrap_err();
+    let err = store
+        .job_insert_many(vec![job("x"), keyed("x", "")])
+        .await
+        .unwrap_err();
     assert!(matches!(err, StoreError::Invalid(_)));
-    assert!(store.job_list(JobFilter::default()).await.unwrap().is_empty());
+    assert!(
+        store
+            .job_list(JobFilter::default())
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 pub async fn insert_unique_key_race(store: Arc<dyn Store>) {
@@ -123,10 +181,20 @@ pub async fn insert_unique_key_race(store: Arc<dyn Store>) {
             .into_iter()
             .map(|r| r.unwrap())
             .collect();
-        assert_eq!(results.iter().filter(|e| e.inserted).count(), 1, "{results:?}");
+        assert_eq!(
+            results.iter().filter(|e| e.inserted).count(),
+            1,
+            "{results:?}"
+        );
         assert!(results.iter().all(|e| e.id == results[0].id), "{results:?}");
     }
-    let all = store.job_list(JobFilter { plugin: Some("race".into()), ..Default::default() }).await.unwrap();
+    let all = store
+        .job_list(JobFilter {
+            plugin: Some("race".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(all.len(), 5);
 }
 
@@ -144,7 +212,10 @@ pub async fn insert_many_batch_with_duplicates(store: Arc<dyn Store>) {
                 ..job("batch")
             };
             if i % 3 == 0 {
-                NewJob { idempotency_key: Some(format!("k:{}", i % 1_000)), ..base }
+                NewJob {
+                    idempotency_key: Some(format!("k:{}", i % 1_000)),
+                    ..base
+                }
             } else {
                 base
             }
@@ -158,7 +229,14 @@ pub async fn insert_many_batch_with_duplicates(store: Arc<dyn Store>) {
     for (i, (input, result)) in inputs.iter().zip(&results).enumerate() {
         match &input.idempotency_key {
             Some(key) if key == "k:7" => {
-                assert_eq!(*result, Enqueued { id: existing.id, inserted: false }, "input {i}")
+                assert_eq!(
+                    *result,
+                    Enqueued {
+                        id: existing.id,
+                        inserted: false
+                    },
+                    "input {i}"
+                )
             }
             Some(key) => match first_by_key.get(key) {
                 None => {
@@ -166,7 +244,14 @@ pub async fn insert_many_batch_with_duplicates(store: Arc<dyn Store>) {
                     first_by_key.insert(key.clone(), result.id);
                     assert!(ids.insert(result.id));
                 }
-                Some(id) => assert_eq!(*result, Enqueued { id: *id, inserted: false }, "input {i}"),
+                Some(id) => assert_eq!(
+                    *result,
+                    Enqueued {
+                        id: *id,
+                        inserted: false
+                    },
+                    "input {i}"
+                ),
             },
             None => {
                 assert!(result.inserted);
@@ -175,9 +260,18 @@ pub async fn insert_many_batch_with_duplicates(store: Arc<dyn Store>) {
         }
     }
     // 3,333 unkeyed + 1,000 distinct keys, of which one existed.
-    let unkeyed = inputs.iter().filter(|j| j.idempotency_key.is_none()).count();
+    let unkeyed = inputs
+        .iter()
+        .filter(|j| j.idempotency_key.is_none())
+        .count();
     assert_eq!(ids.len(), unkeyed + 999);
-    let stored = store.job_list(JobFilter { plugin: Some("batch".into()), ..Default::default() }).await.unwrap();
+    let stored = store
+        .job_list(JobFilter {
+            plugin: Some("batch".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(stored.len(), unkeyed + 1_000);
 
     // Results are in input order: each id holds its input's payload.
@@ -186,7 +280,9 @@ pub async fn insert_many_batch_with_duplicates(store: Arc<dyn Store>) {
         if inputs[i].idempotency_key.as_deref() != Some("k:7") {
             let first = inputs
                 .iter()
-                .position(|j| j.idempotency_key.is_some() && j.idempotency_key == inputs[i].idempotency_key)
+                .position(|j| {
+                    j.idempotency_key.is_some() && j.idempotency_key == inputs[i].idempotency_key
+                })
                 .unwrap_or(i);
             assert_eq!(job.payload, inputs[first].payload, "input {i}");
         }
@@ -195,21 +291,41 @@ pub async fn insert_many_batch_with_duplicates(store: Arc<dyn Store>) {
 
 pub async fn insert_many_is_all_or_nothing(store: Arc<dyn Store>) {
     let results = store
-        .job_insert_many(vec![keyed("p", "a"), job("p"), keyed("p", "a"), keyed("q", "a")])
+        .job_insert_many(vec![
+            keyed("p", "a"),
+            job("p"),
+            keyed("p", "a"),
+            keyed("q", "a"),
+        ])
         .await
         .unwrap();
     assert!(results[0].inserted && results[1].inserted && results[3].inserted);
-    assert_eq!(results[2], Enqueued { id: results[0].id, inserted: false });
+    assert_eq!(
+        results[2],
+        Enqueued {
+            id: results[0].id,
+            inserted: false
+        }
+    );
     assert_ne!(results[3].id, results[0].id);
     let before = store.job_list(JobFilter::default()).await.unwrap().len();
     assert_eq!(before, 3);
     // An invalid job rejects the whole batch before anything is written.
     let err = store
-        .job_insert_many(vec![job("p"), NewJob { max_attempts: 0, ..job("p") }])
+        .job_insert_many(vec![
+            job("p"),
+            NewJob {
+                max_attempts: 0,
+                ..job("p")
+            },
+        ])
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::Invalid(_)));
-    assert_eq!(store.job_list(JobFilter::default()).await.unwrap().len(), before);
+    assert_eq!(
+        store.job_list(JobFilter::default()).await.unwrap().len(),
+        before
+    );
 }
 
 pub async fn job_list_filters(store: Arc<dyn Store>) {
@@ -220,27 +336,50 @@ pub async fn job_list_filters(store: Arc<dyn Store>) {
     assert_eq!(running.id, a);
 
     let all = store.job_list(JobFilter::default()).await.unwrap();
-    assert_eq!(all.iter().map(|j| j.id).collect::<Vec<_>>(), vec![c, b, a], "newest first");
+    assert_eq!(
+        all.iter().map(|j| j.id).collect::<Vec<_>>(),
+        vec![c, b, a],
+        "newest first"
+    );
 
     let alpha = store
-        .job_list(JobFilter { plugin: Some("alpha".into()), ..Default::default() })
+        .job_list(JobFilter {
+            plugin: Some("alpha".into()),
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert_eq!(alpha.iter().map(|j| j.id).collect::<Vec<_>>(), vec![c, a]);
 
     let available = store
-        .job_list(JobFilter { states: vec![JobState::Available], ..Default::default() })
+        .job_list(JobFilter {
+            states: vec![JobState::Available],
+            ..Default::default()
+        })
         .await
         .unwrap();
-    assert_eq!(available.iter().map(|j| j.id).collect::<Vec<_>>(), vec![c, b]);
+    assert_eq!(
+        available.iter().map(|j| j.id).collect::<Vec<_>>(),
+        vec![c, b]
+    );
 
     let some = store
-        .job_list(JobFilter { ids: vec![a, c], states: vec![JobState::Running], ..Default::default() })
+        .job_list(JobFilter {
+            ids: vec![a, c],
+            states: vec![JobState::Running],
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert_eq!(some.iter().map(|j| j.id).collect::<Vec<_>>(), vec![a]);
 
-    let limited = store.job_list(JobFilter { limit: 2, ..Default::default() }).await.unwrap();
+    let limited = store
+        .job_list(JobFilter {
+            limit: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(limited.iter().map(|j| j.id).collect::<Vec<_>>(), vec![c, b]);
 
     assert!(store.job_get(JobId(i64::MAX)).await.unwrap().is_none());

@@ -1,15 +1,16 @@
 //! Leases, fencing, retries, release, plans, cancel, pruning, stats, wake-ups.
 
 use super::*;
-use idem::store::{
-    DeadParams, Fence, HeartbeatParams, JobState, PruneParams, RetryParams,
-};
+use idem::store::{DeadParams, Fence, HeartbeatParams, JobState, PruneParams, RetryParams};
 use std::time::Instant;
 
 pub async fn lease_expiry_rescue_fences_stale_worker(store: Arc<dyn Store>) {
     let id = store.job_insert(job("slow")).await.unwrap().id;
     let a = claim_one(&store, "worker-a", SHORT).await;
-    assert!(store.job_rescue_expired(100).await.unwrap().is_empty(), "lease still running");
+    assert!(
+        store.job_rescue_expired(100).await.unwrap().is_empty(),
+        "lease still running"
+    );
     tokio::time::sleep(PAST_SHORT).await;
 
     assert_eq!(store.job_rescue_expired(100).await.unwrap(), vec![id]);
@@ -19,7 +20,10 @@ pub async fn lease_expiry_rescue_fences_stale_worker(store: Arc<dyn Store>) {
     assert_eq!(rescued.attempt, 1, "the expired attempt counts");
     assert_eq!(rescued.lease_owner, None);
     assert_eq!(rescued.lease_until_ms, None);
-    assert!(store.job_rescue_expired(100).await.unwrap().is_empty(), "rescued once");
+    assert!(
+        store.job_rescue_expired(100).await.unwrap().is_empty(),
+        "rescued once"
+    );
 
     let b = claim_one(&store, "worker-b", LONG).await;
     assert_eq!(b.id, id);
@@ -28,13 +32,28 @@ pub async fn lease_expiry_rescue_fences_stale_worker(store: Arc<dyn Store>) {
 
     // Worker A is still alive and tries every finishing write: all fenced.
     let stale = a.fence();
-    assert_eq!(store.job_set_succeeded(&stale).await.unwrap(), Fence::FencedOut);
     assert_eq!(
-        store.job_heartbeat(HeartbeatParams { fence: stale.clone(), lease: LONG }).await.unwrap(),
+        store.job_set_succeeded(&stale).await.unwrap(),
         Fence::FencedOut
     );
-    assert_eq!(store.job_save_plan(&stale, "[]", "h").await.unwrap(), Fence::FencedOut);
-    assert_eq!(store.job_set_plugin_hash(&stale, "h").await.unwrap(), Fence::FencedOut);
+    assert_eq!(
+        store
+            .job_heartbeat(HeartbeatParams {
+                fence: stale.clone(),
+                lease: LONG
+            })
+            .await
+            .unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(
+        store.job_save_plan(&stale, "[]", "h").await.unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(
+        store.job_set_plugin_hash(&stale, "h").await.unwrap(),
+        Fence::FencedOut
+    );
     assert_eq!(
         store
             .job_set_retrying(RetryParams {
@@ -61,17 +80,27 @@ pub async fn lease_expiry_rescue_fences_stale_worker(store: Arc<dyn Store>) {
     assert_eq!(store.job_release(&stale).await.unwrap(), Fence::FencedOut);
     // Same worker name but the old attempt, or the new attempt under A's name.
     assert_eq!(
-        store.job_set_succeeded(&other_worker(&b.fence(), "worker-a")).await.unwrap(),
+        store
+            .job_set_succeeded(&other_worker(&b.fence(), "worker-a"))
+            .await
+            .unwrap(),
         Fence::FencedOut
     );
     assert_eq!(get(&store, id).await, before, "the row is unchanged");
 
-    assert_eq!(store.job_set_succeeded(&b.fence()).await.unwrap(), Fence::Applied);
+    assert_eq!(
+        store.job_set_succeeded(&b.fence()).await.unwrap(),
+        Fence::Applied
+    );
     let done = get(&store, id).await;
     assert_eq!(done.state, JobState::Succeeded);
     assert!(done.finished_at_ms.is_some());
     assert_eq!(done.lease_owner, None);
-    assert_eq!(store.job_set_succeeded(&b.fence()).await.unwrap(), Fence::FencedOut, "once");
+    assert_eq!(
+        store.job_set_succeeded(&b.fence()).await.unwrap(),
+        Fence::FencedOut,
+        "once"
+    );
 }
 
 pub async fn heartbeat_extends_lease(store: Arc<dyn Store>) {
@@ -80,20 +109,32 @@ pub async fn heartbeat_extends_lease(store: Arc<dyn Store>) {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let fence = claimed.fence();
     assert_eq!(
-        store.job_heartbeat(HeartbeatParams { fence: fence.clone(), lease: Duration::from_secs(5) }).await.unwrap(),
+        store
+            .job_heartbeat(HeartbeatParams {
+                fence: fence.clone(),
+                lease: Duration::from_secs(5)
+            })
+            .await
+            .unwrap(),
         Fence::Applied
     );
     let beaten = get(&store, id).await;
     assert!(beaten.lease_until_ms.unwrap() >= claimed.lease_until_ms.unwrap() + 4_000);
     assert!(beaten.heartbeat_at_ms.unwrap() >= claimed.heartbeat_at_ms.unwrap());
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(store.job_rescue_expired(100).await.unwrap().is_empty(), "a heartbeated job is not rescued");
+    assert!(
+        store.job_rescue_expired(100).await.unwrap().is_empty(),
+        "a heartbeated job is not rescued"
+    );
     let job = get(&store, id).await;
     assert_eq!(job.state, JobState::Running);
     assert_eq!(job.rescues, 0);
     assert_eq!(
         store
-            .job_heartbeat(HeartbeatParams { fence: other_worker(&fence, "intruder"), lease: LONG })
+            .job_heartbeat(HeartbeatParams {
+                fence: other_worker(&fence, "intruder"),
+                lease: LONG
+            })
             .await
             .unwrap(),
         Fence::FencedOut
@@ -101,12 +142,30 @@ pub async fn heartbeat_extends_lease(store: Arc<dyn Store>) {
 }
 
 pub async fn rescue_without_attempts_left_is_dead(store: Arc<dyn Store>) {
-    let id = store.job_insert(NewJob { max_attempts: 1, ..job("once") }).await.unwrap().id;
-    let other = store.job_insert(NewJob { max_attempts: 2, ..job("twice") }).await.unwrap().id;
+    let id = store
+        .job_insert(NewJob {
+            max_attempts: 1,
+            ..job("once")
+        })
+        .await
+        .unwrap()
+        .id;
+    let other = store
+        .job_insert(NewJob {
+            max_attempts: 2,
+            ..job("twice")
+        })
+        .await
+        .unwrap()
+        .id;
     claim_one(&store, "w", Duration::from_millis(100)).await;
     claim_one(&store, "w", Duration::from_millis(100)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(store.job_rescue_expired(1).await.unwrap().len(), 1, "limit respected");
+    assert_eq!(
+        store.job_rescue_expired(1).await.unwrap().len(),
+        1,
+        "limit respected"
+    );
     assert_eq!(store.job_rescue_expired(10).await.unwrap().len(), 1);
 
     let dead = get(&store, id).await;
@@ -148,11 +207,20 @@ pub async fn retrying_not_claimable_before_run_at(store: Arc<dyn Store>) {
     assert_eq!(waiting.lease_until_ms, None);
     assert!(waiting.run_at_ms >= waiting.updated_at_ms + 390);
     assert_eq!(waiting.last_error_code.as_deref(), Some("provider_timeout"));
-    assert_eq!(waiting.last_error_message.as_deref(), Some("provider_timeout happened"));
+    assert_eq!(
+        waiting.last_error_message.as_deref(),
+        Some("provider_timeout happened")
+    );
     assert_eq!(waiting.errors.len(), 1);
     assert!(waiting.first_failed_at_ms.is_some());
 
-    assert!(store.job_claim(claim_params("w", 10, LONG)).await.unwrap().is_empty());
+    assert!(
+        store
+            .job_claim(claim_params("w", 10, LONG))
+            .await
+            .unwrap()
+            .is_empty()
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     let again = claim_one(&store, "w2", LONG).await;
     assert_eq!(again.id, id);
@@ -202,14 +270,20 @@ pub async fn retrying_refunds_attempt(store: Arc<dyn Store>) {
 pub async fn release_at_shutdown(store: Arc<dyn Store>) {
     let id = store.job_insert(job("rel")).await.unwrap().id;
     let claimed = claim_one(&store, "w", LONG).await;
-    assert_eq!(store.job_release(&claimed.fence()).await.unwrap(), Fence::Applied);
+    assert_eq!(
+        store.job_release(&claimed.fence()).await.unwrap(),
+        Fence::Applied
+    );
     let released = get(&store, id).await;
     assert_eq!(released.state, JobState::Available);
     assert_eq!(released.attempt, 1, "attempt kept");
     assert_eq!(released.lease_owner, None);
     assert_eq!(released.lease_until_ms, None);
     assert!(released.run_at_ms >= claimed.run_at_ms);
-    assert_eq!(store.job_release(&claimed.fence()).await.unwrap(), Fence::FencedOut);
+    assert_eq!(
+        store.job_release(&claimed.fence()).await.unwrap(),
+        Fence::FencedOut
+    );
     let again = claim_one(&store, "w2", LONG).await;
     assert_eq!(again.id, id);
     assert_eq!(again.attempt, 2);
@@ -218,33 +292,80 @@ pub async fn release_at_shutdown(store: Arc<dyn Store>) {
 pub async fn plan_saved_once(store: Arc<dyn Store>) {
     let id = store.job_insert(job("plan")).await.unwrap().id;
     let a = claim_one(&store, "a", SHORT).await;
-    assert_eq!(store.job_set_plugin_hash(&a.fence(), "hash-1").await.unwrap(), Fence::Applied);
-    assert_eq!(store.job_save_plan(&a.fence(), r#"[{"k":"one"}]"#, "hash-1").await.unwrap(), Fence::Applied);
+    assert_eq!(
+        store
+            .job_set_plugin_hash(&a.fence(), "hash-1")
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
+    assert_eq!(
+        store
+            .job_save_plan(&a.fence(), r#"[{"k":"one"}]"#, "hash-1")
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
     let saved = get(&store, id).await;
     assert_eq!(saved.plan.as_deref(), Some(r#"[{"k":"one"}]"#));
     assert_eq!(saved.plan_hash.as_deref(), Some("hash-1"));
     assert_eq!(saved.plugin_hash.as_deref(), Some("hash-1"));
 
     // A second save keeps the first plan (and still reports the fence held).
-    assert_eq!(store.job_save_plan(&a.fence(), r#"[{"k":"two"}]"#, "hash-2").await.unwrap(), Fence::Applied);
-    assert_eq!(get(&store, id).await.plan.as_deref(), Some(r#"[{"k":"one"}]"#));
+    assert_eq!(
+        store
+            .job_save_plan(&a.fence(), r#"[{"k":"two"}]"#, "hash-2")
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
+    assert_eq!(
+        get(&store, id).await.plan.as_deref(),
+        Some(r#"[{"k":"one"}]"#)
+    );
 
     // Redelivered after a plugin upgrade: the first plan stays.
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(store.job_rescue_expired(10).await.unwrap(), vec![id]);
     let b = claim_one(&store, "b", LONG).await;
-    assert_eq!(b.plan.as_deref(), Some(r#"[{"k":"one"}]"#), "the claim carries the plan");
-    assert_eq!(store.job_set_plugin_hash(&b.fence(), "hash-2").await.unwrap(), Fence::Applied);
-    assert_eq!(store.job_save_plan(&b.fence(), r#"[{"k":"two"}]"#, "hash-2").await.unwrap(), Fence::Applied);
+    assert_eq!(
+        b.plan.as_deref(),
+        Some(r#"[{"k":"one"}]"#),
+        "the claim carries the plan"
+    );
+    assert_eq!(
+        store
+            .job_set_plugin_hash(&b.fence(), "hash-2")
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
+    assert_eq!(
+        store
+            .job_save_plan(&b.fence(), r#"[{"k":"two"}]"#, "hash-2")
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
     let kept = get(&store, id).await;
     assert_eq!(kept.plan.as_deref(), Some(r#"[{"k":"one"}]"#));
     assert_eq!(kept.plan_hash.as_deref(), Some("hash-1"));
     assert_eq!(kept.plugin_hash.as_deref(), Some("hash-2"));
-    assert_eq!(store.job_save_plan(&a.fence(), "[]", "x").await.unwrap(), Fence::FencedOut);
+    assert_eq!(
+        store.job_save_plan(&a.fence(), "[]", "x").await.unwrap(),
+        Fence::FencedOut
+    );
 }
 
 pub async fn error_history_is_bounded(store: Arc<dyn Store>) {
-    let id = store.job_insert(NewJob { max_attempts: 50, ..job("flaky") }).await.unwrap().id;
+    let id = store
+        .job_insert(NewJob {
+            max_attempts: 50,
+            ..job("flaky")
+        })
+        .await
+        .unwrap()
+        .id;
     let total = idem::store::ERROR_HISTORY + 3;
     for i in 0..total {
         let claimed = claim_one(&store, "w", LONG).await;
@@ -267,7 +388,10 @@ pub async fn error_history_is_bounded(store: Arc<dyn Store>) {
     assert!(attempts.windows(2).all(|w| w[0] < w[1]));
     assert!(job.errors.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
     assert_eq!(job.attempt as usize, total);
-    assert_eq!(job.last_error_code.as_deref(), Some(format!("e{}", total - 1).as_str()));
+    assert_eq!(
+        job.last_error_code.as_deref(),
+        Some(format!("e{}", total - 1).as_str())
+    );
 }
 
 pub async fn cancel_only_waiting_jobs(store: Arc<dyn Store>) {
@@ -276,12 +400,18 @@ pub async fn cancel_only_waiting_jobs(store: Arc<dyn Store>) {
     let cancelled = get(&store, waiting).await;
     assert_eq!(cancelled.state, JobState::Cancelled);
     assert!(cancelled.finished_at_ms.is_some());
-    assert!(!store.job_cancel(waiting).await.unwrap(), "already cancelled");
+    assert!(
+        !store.job_cancel(waiting).await.unwrap(),
+        "already cancelled"
+    );
 
     let running = store.job_insert(job("c")).await.unwrap().id;
     let claimed = claim_one(&store, "w", LONG).await;
     assert_eq!(claimed.id, running, "the cancelled job is not claimable");
-    assert!(!store.job_cancel(running).await.unwrap(), "a running job is not cancelled");
+    assert!(
+        !store.job_cancel(running).await.unwrap(),
+        "a running job is not cancelled"
+    );
 
     store
         .job_set_retrying(RetryParams {
@@ -292,7 +422,10 @@ pub async fn cancel_only_waiting_jobs(store: Arc<dyn Store>) {
         })
         .await
         .unwrap();
-    assert!(store.job_cancel(running).await.unwrap(), "a retrying job is");
+    assert!(
+        store.job_cancel(running).await.unwrap(),
+        "a retrying job is"
+    );
     assert!(!store.job_cancel(JobId(i64::MAX)).await.unwrap());
 }
 
@@ -310,22 +443,48 @@ pub async fn prune_deletes_finished_past_retention(store: Arc<dyn Store>) {
     store.job_set_succeeded(&a.fence()).await.unwrap();
     let b = claim_one(&store, "w", LONG).await;
     store
-        .job_set_dead(DeadParams { fence: b.fence(), error: error(1, "permanent", "x"), redact_payload: false })
+        .job_set_dead(DeadParams {
+            fence: b.fence(),
+            error: error(1, "permanent", "x"),
+            redact_payload: false,
+        })
         .await
         .unwrap();
     assert!(store.job_cancel(cancelled).await.unwrap());
     claim_one(&store, "w", LONG).await;
     let waiting = store.job_insert(job("p")).await.unwrap().id;
 
-    assert_eq!(store.job_delete_finished(prune(3_600_000, 3_600_000, 100)).await.unwrap(), 0, "too young");
+    assert_eq!(
+        store
+            .job_delete_finished(prune(3_600_000, 3_600_000, 100))
+            .await
+            .unwrap(),
+        0,
+        "too young"
+    );
     tokio::time::sleep(Duration::from_millis(60)).await;
-    assert_eq!(store.job_delete_finished(prune(20, 3_600_000, 100)).await.unwrap(), 2);
+    assert_eq!(
+        store
+            .job_delete_finished(prune(20, 3_600_000, 100))
+            .await
+            .unwrap(),
+        2
+    );
     assert!(store.job_get(done).await.unwrap().is_none());
     assert!(store.job_get(cancelled).await.unwrap().is_none());
-    assert!(store.job_get(dead).await.unwrap().is_some(), "dead jobs have their own retention");
-    assert_eq!(store.job_delete_finished(prune(20, 20, 100)).await.unwrap(), 1);
+    assert!(
+        store.job_get(dead).await.unwrap().is_some(),
+        "dead jobs have their own retention"
+    );
+    assert_eq!(
+        store.job_delete_finished(prune(20, 20, 100)).await.unwrap(),
+        1
+    );
     assert!(store.job_get(dead).await.unwrap().is_none());
-    assert!(store.job_get(running).await.unwrap().is_some(), "unfinished jobs stay");
+    assert!(
+        store.job_get(running).await.unwrap().is_some(),
+        "unfinished jobs stay"
+    );
     assert!(store.job_get(waiting).await.unwrap().is_some());
 
     // The limit bounds one call.
@@ -335,24 +494,52 @@ pub async fn prune_deletes_finished_past_retention(store: Arc<dyn Store>) {
         store.job_set_succeeded(&c.fence()).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(60)).await;
-    assert_eq!(store.job_delete_finished(prune(20, 20, 2)).await.unwrap(), 2);
-    assert_eq!(store.job_delete_finished(prune(20, 20, 2)).await.unwrap(), 1);
-    assert_eq!(store.job_delete_finished(prune(20, 20, 2)).await.unwrap(), 0);
+    assert_eq!(
+        store.job_delete_finished(prune(20, 20, 2)).await.unwrap(),
+        2
+    );
+    assert_eq!(
+        store.job_delete_finished(prune(20, 20, 2)).await.unwrap(),
+        1
+    );
+    assert_eq!(
+        store.job_delete_finished(prune(20, 20, 2)).await.unwrap(),
+        0
+    );
 }
 
 pub async fn stats_and_drained(store: Arc<dyn Store>) {
-    assert!(store.queue_is_drained().await.unwrap(), "empty store is drained");
+    assert!(
+        store.queue_is_drained().await.unwrap(),
+        "empty store is drained"
+    );
     let stats = store.queue_stats(None).await.unwrap();
     assert_eq!(stats.ready, 0);
     assert_eq!(stats.oldest_ready_age_ms, None);
-    assert!(idem::store::JobState::ALL.iter().all(|s| stats.count(*s) == 0));
+    assert!(
+        idem::store::JobState::ALL
+            .iter()
+            .all(|s| stats.count(*s) == 0)
+    );
 
     // A job a producer scheduled for later does not block draining.
-    store.job_insert(NewJob { delay: Duration::from_secs(3600), ..job("s") }).await.unwrap();
+    store
+        .job_insert(NewJob {
+            delay: Duration::from_secs(3600),
+            ..job("s")
+        })
+        .await
+        .unwrap();
     assert!(store.queue_is_drained().await.unwrap());
 
     let ready = store.job_insert(job("s")).await.unwrap().id;
-    store.job_insert(NewJob { queue: "other".into(), ..job("s") }).await.unwrap();
+    store
+        .job_insert(NewJob {
+            queue: "other".into(),
+            ..job("s")
+        })
+        .await
+        .unwrap();
     assert!(!store.queue_is_drained().await.unwrap());
     tokio::time::sleep(Duration::from_millis(30)).await;
     let stats = store.queue_stats(Some("default")).await.unwrap();
@@ -381,11 +568,21 @@ pub async fn stats_and_drained(store: Arc<dyn Store>) {
         .await
         .unwrap();
     assert!(!store.queue_is_drained().await.unwrap());
-    assert_eq!(store.queue_stats(Some("default")).await.unwrap().count(JobState::Retrying), 1);
+    assert_eq!(
+        store
+            .queue_stats(Some("default"))
+            .await
+            .unwrap()
+            .count(JobState::Retrying),
+        1
+    );
     assert!(store.job_cancel(ready).await.unwrap());
 
     let other = store
-        .job_claim(ClaimParams { queue: "other".into(), ..claim_params("w", 1, LONG) })
+        .job_claim(ClaimParams {
+            queue: "other".into(),
+            ..claim_params("w", 1, LONG)
+        })
         .await
         .unwrap();
     store.job_set_succeeded(&other[0].fence()).await.unwrap();
@@ -417,4 +614,34 @@ pub async fn wait_for_jobs_wakes_on_insert(store: Arc<dyn Store>) {
         .expect("woken by the insert")
         .unwrap();
     assert!(waited < Duration::from_secs(10));
+}
+
+pub async fn stale_attempt_of_same_worker_is_fenced(store: Arc<dyn Store>) {
+    let id = store.job_insert(job("again")).await.unwrap().id;
+    let first = claim_one(&store, "worker-a", SHORT).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(store.job_rescue_expired(10).await.unwrap(), vec![id]);
+    // The same worker takes the job again: a new attempt, a new fence.
+    let second = claim_one(&store, "worker-a", LONG).await;
+    assert_eq!(second.attempt, first.attempt + 1);
+    let before = get(&store, id).await;
+    assert_eq!(
+        store.job_set_succeeded(&first.fence()).await.unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(
+        store
+            .job_heartbeat(HeartbeatParams {
+                fence: first.fence(),
+                lease: LONG
+            })
+            .await
+            .unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(get(&store, id).await, before);
+    assert_eq!(
+        store.job_set_succeeded(&second.fence()).await.unwrap(),
+        Fence::Applied
+    );
 }

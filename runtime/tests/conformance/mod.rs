@@ -48,7 +48,11 @@ where
 {
     let fixture = factory().await;
     let outcome = tokio::spawn(case(fixture.store.clone())).await;
-    let Fixture { store, keep, teardown } = fixture;
+    let Fixture {
+        store,
+        keep,
+        teardown,
+    } = fixture;
     drop(store);
     if let Some(teardown) = teardown {
         teardown.await;
@@ -81,6 +85,7 @@ macro_rules! conformance_suite {
             claim::claim_respects_queue_concurrency,
             claim::claim_queue_concurrency_race,
             lifecycle::lease_expiry_rescue_fences_stale_worker,
+            lifecycle::stale_attempt_of_same_worker_is_fenced,
             lifecycle::heartbeat_extends_lease,
             lifecycle::rescue_without_attempts_left_is_dead,
             lifecycle::retrying_not_claimable_before_run_at,
@@ -144,7 +149,10 @@ pub fn claim_params(worker: &str, limit: u32, lease: Duration) -> ClaimParams {
 
 /// Claims exactly one job (panics otherwise).
 pub async fn claim_one(store: &Arc<dyn Store>, worker: &str, lease: Duration) -> Job {
-    let mut jobs = store.job_claim(claim_params(worker, 1, lease)).await.unwrap();
+    let mut jobs = store
+        .job_claim(claim_params(worker, 1, lease))
+        .await
+        .unwrap();
     assert_eq!(jobs.len(), 1, "expected one claimable job");
     jobs.remove(0)
 }

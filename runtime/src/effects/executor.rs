@@ -1,0 +1,334 @@
+//! Carrying out a stored plan, effect by effect, each at most once per key.
+//!
+//! For every effect: claim its key in the ledger (atomic); skip it when it
+//! already succeeded (an idempotency hit); defer the job when another worker
+//! holds the key; refuse a key reused for a different action
+//! (`idempotency_key_conflict`); otherwise call the provider with the key
+//! and record the result, fenced by the claim. A child job is enqueued in
+//! the same transaction that marks its effect succeeded.
+
+use super::{Action, Effect};
+use crate::failure::{ErrorClass, Failure};
+use crate::metrics;
+use crate::providers::{Dedupe, JOBS_PROVIDER, Providers};
+use crate::queue::stats::WorkerStats;
+use crate::store::{
+    EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus, Fence, Job,
+    NewJob, Store, StoreError,
+};
+use sha2::{Digest, Sha256};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Longest deferral when another worker holds an effect's key.
+pub const DEFER_LEASED: Duration = Duration::from_millis(500);
+
+/// How a plan's execution ended.
+#[derive(Debug)]
+pub enum PlanOutcome {
+    /// Every effect succeeded now or before.
+    Done,
+    /// An effect failed: retry or dead-letter the job.
+    Failed(Failure),
+    /// Not a failure: try the job again after this delay without using an attempt.
+    Deferred {
+        /// Delay before the next try.
+        delay: Duration,
+        /// Why (a code for logs).
+        reason: &'static str,
+    },
+    /// The store failed; the job's lease will expire and it will be redelivered.
+    Store(StoreError),
+}
+
+/// What the executor needs.
+pub struct Executor {
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// Configured providers.
+    pub providers: Providers,
+    /// This worker's id.
+    pub worker: String,
+    /// Lease on an effect key while its provider is called.
+    pub effect_lease: Duration,
+    /// Defaults for child jobs.
+    pub child_max_attempts: u32,
+    /// Counters.
+    pub stats: Arc<WorkerStats>,
+}
+
+/// SHA-256 of the provider and action: the identity of a request, so one key
+/// reused for a different request is detected.
+///
+/// ```
+/// use idem::effects::{Action, Effect, executor::fingerprint};
+/// let e = Effect { provider: "p".into(), idempotency_key: "k".into(), action: Action::Custom { body: vec![] } };
+/// assert_eq!(fingerprint(&e).len(), 64);
+/// ```
+pub fn fingerprint(effect: &Effect) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(effect.provider.as_bytes());
+    hasher.update([0]);
+    // serde_json writes struct fields in declaration order: stable across runs.
+    hasher.update(serde_json::to_vec(&effect.action).unwrap_or_default());
+    hex::encode(hasher.finalize())
+}
+
+impl Executor {
+    /// Checks a fresh plan against the plugin's grants and the configured
+    /// providers, before anything is stored or executed.
+    pub fn check_grants(
+        &self,
+        plan: &[Effect],
+        allowed: impl Fn(&str) -> bool,
+    ) -> Result<(), Failure> {
+        for effect in plan {
+            if !allowed(&effect.provider) {
+                return Err(Failure::permanent(
+                    "effect_not_allowed",
+                    format!(
+                        "effect {:?} uses provider {:?}, which the plugin's manifest does not grant",
+                        effect.idempotency_key, effect.provider
+                    ),
+                ));
+            }
+            if effect.provider != JOBS_PROVIDER && self.providers.get(&effect.provider).is_none() {
+                return Err(Failure::permanent(
+                    "provider_not_configured",
+                    format!(
+                        "no provider named {:?} is configured on this host",
+                        effect.provider
+                    ),
+                ));
+            }
+            if effect.provider == JOBS_PROVIDER && !matches!(effect.action, Action::Enqueue { .. })
+            {
+                return Err(Failure::permanent(
+                    "unsupported_action",
+                    format!(
+                        "the jobs provider only enqueues jobs, not {} effects",
+                        effect.action.kind()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Executes a plan for a claimed job.
+    pub async fn execute(&self, job: &Job, plan: &[Effect]) -> PlanOutcome {
+        for effect in plan {
+            let span = tracing::info_span!("effect", key = %effect.idempotency_key, provider = %effect.provider);
+            let _enter = span.enter();
+            match self.execute_one(job, effect).await {
+                Ok(()) => {}
+                Err(outcome) => return outcome,
+            }
+        }
+        PlanOutcome::Done
+    }
+
+    async fn execute_one(&self, job: &Job, effect: &Effect) -> Result<(), PlanOutcome> {
+        let claim = self
+            .store
+            .effect_claim(EffectClaimParams {
+                key: effect.idempotency_key.clone(),
+                job_id: job.id,
+                plugin: job.plugin.clone(),
+                provider: effect.provider.clone(),
+                fingerprint: fingerprint(effect),
+                worker: self.worker.clone(),
+                lease: self.effect_lease,
+            })
+            .await
+            .map_err(PlanOutcome::Store)?;
+        let fence = match claim {
+            EffectClaim::Claimed { fence } => fence,
+            EffectClaim::AlreadySucceeded { result_ref } => {
+                tracing::info!(
+                    result_ref = result_ref.as_deref().unwrap_or(""),
+                    "effect already done: skipped"
+                );
+                WorkerStats::bump(&self.stats.idempotency_hits);
+                metrics::effect(&effect.provider, "idempotency_hit");
+                return Ok(());
+            }
+            EffectClaim::LeasedByOther { lease_until_ms } => {
+                // The holder usually finishes in milliseconds; look again
+                // soon (the deferral costs no attempt) rather than waiting
+                // out a lease that is only there for crashed holders.
+                let now = chrono::Utc::now().timestamp_millis();
+                let remaining = Duration::from_millis((lease_until_ms - now).max(0) as u64);
+                let wait =
+                    remaining.min(DEFER_LEASED) + Duration::from_millis(rand::random_range(0..200));
+                tracing::info!(?wait, "another worker holds this effect: deferring the job");
+                metrics::effect(&effect.provider, "deferred");
+                return Err(PlanOutcome::Deferred {
+                    delay: wait,
+                    reason: "effect_leased_by_other",
+                });
+            }
+            EffectClaim::Conflict { .. } => {
+                return Err(PlanOutcome::Failed(Failure::permanent(
+                    "idempotency_key_conflict",
+                    format!(
+                        "the key {:?} was used before for a different request",
+                        effect.idempotency_key
+                    ),
+                )));
+            }
+        };
+        if effect.provider == JOBS_PROVIDER {
+            return self.enqueue_child(job, effect, &fence).await;
+        }
+        self.call_provider(effect, &fence).await
+    }
+
+    async fn enqueue_child(
+        &self,
+        job: &Job,
+        effect: &Effect,
+        fence: &EffectFence,
+    ) -> Result<(), PlanOutcome> {
+        let Action::Enqueue {
+            plugin,
+            queue,
+            payload,
+            delay_ms,
+            priority,
+        } = &effect.action
+        else {
+            let failure =
+                Failure::permanent("unsupported_action", "the jobs provider only enqueues jobs");
+            self.fail(fence, &failure).await?;
+            return Err(PlanOutcome::Failed(failure));
+        };
+        let child = NewJob {
+            queue: queue.clone().unwrap_or_else(|| job.queue.clone()),
+            plugin: plugin.clone(),
+            payload: payload.clone(),
+            idempotency_key: Some(effect.idempotency_key.clone()),
+            priority: *priority,
+            delay: Duration::from_millis(*delay_ms),
+            max_attempts: self.child_max_attempts,
+            correlation_id: Some(job.correlation_id.clone()),
+        };
+        let (written, enqueued) = self
+            .store
+            .effect_succeed_with_child(fence, child)
+            .await
+            .map_err(PlanOutcome::Store)?;
+        if written == Fence::FencedOut {
+            self.fenced_out("child job effect");
+        } else {
+            tracing::info!(child_job = %enqueued.id, inserted = enqueued.inserted, "child job enqueued");
+            WorkerStats::bump(&self.stats.effects_executed);
+            metrics::effect(JOBS_PROVIDER, "executed");
+        }
+        Ok(())
+    }
+
+    async fn call_provider(&self, effect: &Effect, fence: &EffectFence) -> Result<(), PlanOutcome> {
+        let Some(provider) = self.providers.get(&effect.provider) else {
+            let failure = Failure::permanent(
+                "provider_not_configured",
+                format!(
+                    "no provider named {:?} is configured on this host",
+                    effect.provider
+                ),
+            );
+            self.fail(fence, &failure).await?;
+            return Err(PlanOutcome::Failed(failure));
+        };
+        let permit = match provider.guard.enter().await {
+            Ok(permit) => permit,
+            Err(open) => {
+                self.fail(fence, &open).await?;
+                metrics::effect(&effect.provider, "deferred");
+                return Err(PlanOutcome::Deferred {
+                    delay: open.retry_after.unwrap_or(Duration::from_secs(1)),
+                    reason: "circuit_open",
+                });
+            }
+        };
+        let started = Instant::now();
+        let result = provider.provider.execute(effect).await;
+        let took = started.elapsed();
+        metrics::provider_call(
+            &effect.provider,
+            took,
+            result.as_ref().err().map(|f| f.code.as_str()),
+        );
+        permit.record(result.as_ref().map(|_| ()).map_err(|f| f.class));
+        match result {
+            Ok(delivered) => {
+                tracing::info!(
+                    result_ref = delivered.result_ref.as_deref().unwrap_or(""),
+                    ?took,
+                    "effect carried out"
+                );
+                let written = self
+                    .store
+                    .effect_set_succeeded(fence, delivered.result_ref.as_deref())
+                    .await
+                    .map_err(PlanOutcome::Store)?;
+                if written == Fence::FencedOut {
+                    self.fenced_out("effect success");
+                }
+                WorkerStats::bump(&self.stats.effects_executed);
+                metrics::effect(&effect.provider, "executed");
+                Ok(())
+            }
+            Err(mut failure) => {
+                if failure.class == ErrorClass::Ambiguous
+                    && provider.provider.dedupe() == Dedupe::None
+                {
+                    // Without provider-side dedupe a retry could repeat the
+                    // effect: stop and let a human decide from the DLQ.
+                    failure = Failure::permanent(
+                        "ambiguous_not_retried",
+                        format!(
+                            "{} (the provider cannot dedupe, so idem will not retry)",
+                            failure.message
+                        ),
+                    );
+                }
+                tracing::warn!(code = %failure.code, class = failure.class.as_str(), "effect failed");
+                WorkerStats::bump(&self.stats.effects_failed);
+                metrics::effect(&effect.provider, "failed");
+                self.fail(fence, &failure).await?;
+                Err(PlanOutcome::Failed(failure))
+            }
+        }
+    }
+
+    async fn fail(&self, fence: &EffectFence, failure: &Failure) -> Result<(), PlanOutcome> {
+        let status = if failure.class == ErrorClass::Permanent {
+            EffectStatus::Failed
+        } else {
+            EffectStatus::Retrying
+        };
+        let written = self
+            .store
+            .effect_set_failed(EffectFailParams {
+                fence: fence.clone(),
+                status,
+                error_code: failure.code.clone(),
+            })
+            .await
+            .map_err(PlanOutcome::Store)?;
+        if written == Fence::FencedOut {
+            self.fenced_out("effect failure");
+        }
+        Ok(())
+    }
+
+    fn fenced_out(&self, what: &str) {
+        tracing::warn!(
+            what,
+            "stale write rejected: the effect's lease was taken over"
+        );
+        WorkerStats::bump(&self.stats.fenced_out);
+        metrics::fenced_out();
+    }
+}

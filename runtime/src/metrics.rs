@@ -1,0 +1,84 @@
+//! Metric names in one place, recorded through the `metrics` facade and
+//! exported for Prometheus by `idem run --metrics-listen ADDR`.
+//!
+//! Counters: `idem_jobs_claimed_total{queue,plugin}`,
+//! `idem_jobs_finished_total{plugin,outcome}` (succeeded, retried, dead, deferred),
+//! `idem_job_errors_total{plugin,code,class}`, `idem_lease_expiries_total`,
+//! `idem_fenced_out_total`, `idem_effects_total{provider,outcome}`
+//! (executed, idempotency_hit, failed, deferred), `idem_provider_errors_total{provider,code}`.
+//! Histograms: `idem_job_wait_seconds` (enqueue to claim), `idem_job_duration_seconds{plugin}`,
+//! `idem_provider_call_seconds{provider}`, `idem_job_attempts{plugin}` (at success).
+//! Gauges: `idem_queue_jobs{queue,state}`, `idem_queue_oldest_ready_seconds{queue}`.
+
+use std::time::Duration;
+
+/// A job was claimed.
+pub fn job_claimed(queue: &str, plugin: &str, waited: Duration) {
+    metrics::counter!("idem_jobs_claimed_total", "queue" => queue.to_string(), "plugin" => plugin.to_string())
+        .increment(1);
+    metrics::histogram!("idem_job_wait_seconds").record(waited.as_secs_f64());
+}
+
+/// A job attempt ended.
+pub fn job_finished(plugin: &str, outcome: &'static str, took: Duration) {
+    metrics::counter!("idem_jobs_finished_total", "plugin" => plugin.to_string(), "outcome" => outcome)
+        .increment(1);
+    metrics::histogram!("idem_job_duration_seconds", "plugin" => plugin.to_string())
+        .record(took.as_secs_f64());
+}
+
+/// A job succeeded after `attempt` attempts.
+pub fn job_attempts(plugin: &str, attempt: u32) {
+    metrics::histogram!("idem_job_attempts", "plugin" => plugin.to_string()).record(attempt as f64);
+}
+
+/// A job attempt failed with a classified error.
+pub fn job_error(plugin: &str, code: &str, class: &'static str) {
+    metrics::counter!("idem_job_errors_total", "plugin" => plugin.to_string(), "code" => code.to_string(), "class" => class)
+        .increment(1);
+}
+
+/// Expired leases were rescued.
+pub fn lease_expiries(count: u64) {
+    metrics::counter!("idem_lease_expiries_total").increment(count);
+}
+
+/// A stale write was rejected by the fence.
+pub fn fenced_out() {
+    metrics::counter!("idem_fenced_out_total").increment(1);
+}
+
+/// An effect ended with an outcome.
+pub fn effect(provider: &str, outcome: &'static str) {
+    metrics::counter!("idem_effects_total", "provider" => provider.to_string(), "outcome" => outcome).increment(1);
+}
+
+/// A provider call finished.
+pub fn provider_call(provider: &str, took: Duration, error_code: Option<&str>) {
+    metrics::histogram!("idem_provider_call_seconds", "provider" => provider.to_string())
+        .record(took.as_secs_f64());
+    if let Some(code) = error_code {
+        metrics::counter!("idem_provider_errors_total", "provider" => provider.to_string(), "code" => code.to_string())
+            .increment(1);
+    }
+}
+
+/// Queue depth by state.
+pub fn queue_depth(queue: &str, state: &'static str, count: i64) {
+    metrics::gauge!("idem_queue_jobs", "queue" => queue.to_string(), "state" => state)
+        .set(count as f64);
+}
+
+/// Age of the oldest runnable job.
+pub fn oldest_ready(queue: &str, age: Duration) {
+    metrics::gauge!("idem_queue_oldest_ready_seconds", "queue" => queue.to_string())
+        .set(age.as_secs_f64());
+}
+
+/// Installs the Prometheus exporter on `addr` (serves `/metrics`).
+pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| e.to_string())
+}

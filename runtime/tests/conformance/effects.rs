@@ -1,0 +1,452 @@
+//! The effect ledger: atomic claims, leases, fingerprints, fenced finishes,
+//! child jobs in the same transaction.
+
+use super::*;
+use idem::store::{
+    EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus, Enqueued, Fence,
+    JobFilter, JobState, StoreError,
+};
+
+fn claim(key: &str, worker: &str, lease: Duration) -> EffectClaimParams {
+    EffectClaimParams {
+        key: key.into(),
+        job_id: JobId(1),
+        plugin: "send_invoice_email".into(),
+        provider: "email".into(),
+        fingerprint: "fp-1".into(),
+        worker: worker.into(),
+        lease,
+    }
+}
+
+async fn claimed(store: &Arc<dyn Store>, params: EffectClaimParams) -> EffectFence {
+    match store.effect_claim(params).await.unwrap() {
+        EffectClaim::Claimed { fence } => fence,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+pub async fn effect_claim_then_already_succeeded(store: Arc<dyn Store>) {
+    let fence = claimed(&store, claim("invoice:1:email:v1", "w1", LONG)).await;
+    assert_eq!(
+        fence,
+        EffectFence {
+            key: "invoice:1:email:v1".into(),
+            worker: "w1".into(),
+            attempt: 1
+        }
+    );
+    let row = store
+        .effect_get("invoice:1:email:v1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.status, EffectStatus::Processing);
+    assert_eq!(row.attempt, 1);
+    assert_eq!(row.job_id, JobId(1));
+    assert_eq!(row.plugin, "send_invoice_email");
+    assert_eq!(row.provider, "email");
+    assert_eq!(row.fingerprint, "fp-1");
+    assert_eq!(row.lease_owner.as_deref(), Some("w1"));
+    let lease = row.lease_until_ms.unwrap() - row.created_at_ms;
+    assert!((59_000..=61_000).contains(&lease), "lease {lease} ms");
+
+    assert_eq!(
+        store
+            .effect_set_succeeded(&fence, Some("msg-1"))
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
+    let row = store
+        .effect_get("invoice:1:email:v1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.status, EffectStatus::Succeeded);
+    assert_eq!(row.result_ref.as_deref(), Some("msg-1"));
+    assert_eq!(row.lease_until_ms, None);
+    assert!(row.updated_at_ms >= row.created_at_ms);
+
+    // Any later claim, by anyone, is an idempotency hit.
+    for worker in ["w1", "w2"] {
+        assert_eq!(
+            store
+                .effect_claim(claim("invoice:1:email:v1", worker, LONG))
+                .await
+                .unwrap(),
+            EffectClaim::AlreadySucceeded {
+                result_ref: Some("msg-1".into())
+            }
+        );
+    }
+    assert_eq!(
+        store
+            .effect_set_succeeded(&fence, Some("msg-2"))
+            .await
+            .unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(
+        store
+            .effect_get("invoice:1:email:v1")
+            .await
+            .unwrap()
+            .unwrap()
+            .result_ref
+            .as_deref(),
+        Some("msg-1")
+    );
+    assert!(store.effect_get("never").await.unwrap().is_none());
+
+    let invalid = store
+        .effect_claim(claim("bad\nkey", "w", LONG))
+        .await
+        .unwrap_err();
+    assert!(matches!(invalid, StoreError::Invalid(_)));
+    let no_worker = store.effect_claim(claim("k", "", LONG)).await.unwrap_err();
+    assert!(matches!(no_worker, StoreError::Invalid(_)));
+}
+
+pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
+    let a = claimed(&store, claim("k", "a", SHORT)).await;
+    let lease_until = store
+        .effect_get("k")
+        .await
+        .unwrap()
+        .unwrap()
+        .lease_until_ms
+        .unwrap();
+    assert_eq!(
+        store.effect_claim(claim("k", "b", LONG)).await.unwrap(),
+        EffectClaim::LeasedByOther {
+            lease_until_ms: lease_until
+        }
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    let b = claimed(&store, claim("k", "b", LONG)).await;
+    assert_eq!(b.attempt, 2);
+    let row = store.effect_get("k").await.unwrap().unwrap();
+    assert_eq!(row.lease_owner.as_deref(), Some("b"));
+    assert_eq!(row.attempt, 2);
+
+    // A is still alive: its finishing writes are fenced out.
+    assert_eq!(
+        store.effect_set_succeeded(&a, Some("late")).await.unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(
+        store
+            .effect_set_failed(EffectFailParams {
+                fence: a.clone(),
+                status: EffectStatus::Failed,
+                error_code: "x".into(),
+            })
+            .await
+            .unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(
+        store.effect_get("k").await.unwrap().unwrap(),
+        row,
+        "unchanged"
+    );
+    assert_eq!(
+        store.effect_set_succeeded(&b, Some("ref-b")).await.unwrap(),
+        Fence::Applied
+    );
+    assert_eq!(
+        store.effect_claim(claim("k", "a", LONG)).await.unwrap(),
+        EffectClaim::AlreadySucceeded {
+            result_ref: Some("ref-b".into())
+        }
+    );
+}
+
+pub async fn effect_fingerprint_conflict(store: Arc<dyn Store>) {
+    let fence = claimed(&store, claim("k", "a", LONG)).await;
+    let other = EffectClaimParams {
+        fingerprint: "fp-2".into(),
+        ..claim("k", "b", LONG)
+    };
+    let conflict = EffectClaim::Conflict {
+        existing_fingerprint: "fp-1".into(),
+    };
+    assert_eq!(
+        store.effect_claim(other.clone()).await.unwrap(),
+        conflict,
+        "while processing"
+    );
+    store
+        .effect_set_failed(EffectFailParams {
+            fence: fence.clone(),
+            status: EffectStatus::Retrying,
+            error_code: "provider_5xx".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        store.effect_claim(other.clone()).await.unwrap(),
+        conflict,
+        "while retrying"
+    );
+    let fence = claimed(&store, claim("k", "a", LONG)).await;
+    store.effect_set_succeeded(&fence, None).await.unwrap();
+    assert_eq!(
+        store.effect_claim(other).await.unwrap(),
+        conflict,
+        "after success"
+    );
+    assert_eq!(
+        store.effect_claim(claim("k", "b", LONG)).await.unwrap(),
+        EffectClaim::AlreadySucceeded { result_ref: None }
+    );
+}
+
+pub async fn effect_claim_race(store: Arc<dyn Store>) {
+    for round in 0..5 {
+        let key = format!("race:{round}");
+        let barrier = Arc::new(tokio::sync::Barrier::new(8));
+        let tasks: Vec<_> = (0..8)
+            .map(|w| {
+                let store = store.clone();
+                let barrier = barrier.clone();
+                let key = key.clone();
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .effect_claim(claim(&key, &format!("w{w}"), LONG))
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let outcomes: Vec<EffectClaim> = futures::future::join_all(tasks)
+            .await
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        let winners = outcomes
+            .iter()
+            .filter(|o| matches!(o, EffectClaim::Claimed { .. }))
+            .count();
+        assert_eq!(winners, 1, "{outcomes:?}");
+        assert!(
+            outcomes.iter().all(|o| matches!(
+                o,
+                EffectClaim::Claimed { .. } | EffectClaim::LeasedByOther { .. }
+            )),
+            "{outcomes:?}"
+        );
+    }
+}
+
+pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
+    let first = claimed(&store, claim("k", "a", LONG)).await;
+    let invalid = store
+        .effect_set_failed(EffectFailParams {
+            fence: first.clone(),
+            status: EffectStatus::Succeeded,
+            error_code: "x".into(),
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(invalid, StoreError::Invalid(_)));
+    assert_eq!(
+        store
+            .effect_set_failed(EffectFailParams {
+                fence: first.clone(),
+                status: EffectStatus::Retrying,
+                error_code: "provider_timeout".into(),
+            })
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
+    let row = store.effect_get("k").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Retrying);
+    assert_eq!(row.last_error_code.as_deref(), Some("provider_timeout"));
+    assert!(row.last_error_at_ms.is_some());
+    assert_eq!(row.lease_owner, None);
+    assert_eq!(row.lease_until_ms, None);
+
+    // Retrying: claimable at once, by anyone, as the next attempt.
+    let second = claimed(&store, claim("k", "b", LONG)).await;
+    assert_eq!(second.attempt, 2);
+    store
+        .effect_set_failed(EffectFailParams {
+            fence: second.clone(),
+            status: EffectStatus::Failed,
+            error_code: "invalid_recipient".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        store.effect_get("k").await.unwrap().unwrap().status,
+        EffectStatus::Failed
+    );
+    // Failed: the job went to the dead-letter queue; a replay claims it again.
+    let third = claimed(&store, claim("k", "c", LONG)).await;
+    assert_eq!(third.attempt, 3);
+    assert_eq!(
+        store
+            .effect_set_failed(EffectFailParams {
+                fence: second,
+                status: EffectStatus::Retrying,
+                error_code: "late".into(),
+            })
+            .await
+            .unwrap(),
+        Fence::FencedOut
+    );
+}
+
+fn child(key: &str) -> NewJob {
+    NewJob {
+        queue: "billing".into(),
+        ..keyed("create_invoice", key)
+    }
+}
+
+async fn children(store: &Arc<dyn Store>) -> Vec<idem::store::Job> {
+    store
+        .job_list(JobFilter {
+            plugin: Some("create_invoice".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+}
+
+pub async fn effect_child_in_transaction(store: Arc<dyn Store>) {
+    let fence = claimed(&store, claim("order:7:invoice", "w", LONG)).await;
+    let (outcome, enqueued) = store
+        .effect_succeed_with_child(&fence, child("order:7:invoice"))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Fence::Applied);
+    assert!(enqueued.inserted);
+    let row = store.effect_get("order:7:invoice").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Succeeded);
+    assert_eq!(row.result_ref, Some(enqueued.id.to_string()));
+    let child_job = get(&store, enqueued.id).await;
+    assert_eq!(child_job.state, JobState::Available);
+    assert_eq!(child_job.queue, "billing");
+    assert_eq!(
+        child_job.idempotency_key.as_deref(),
+        Some("order:7:invoice")
+    );
+
+    // Done: a second attempt is fenced out and inserts nothing.
+    let (again, _) = store
+        .effect_succeed_with_child(&fence, child("order:7:invoice"))
+        .await
+        .unwrap();
+    assert_eq!(again, Fence::FencedOut);
+    assert_eq!(children(&store).await.len(), 1);
+    assert_eq!(
+        store
+            .effect_claim(claim("order:7:invoice", "w2", LONG))
+            .await
+            .unwrap(),
+        EffectClaim::AlreadySucceeded {
+            result_ref: Some(enqueued.id.to_string())
+        }
+    );
+}
+
+pub async fn effect_child_fenced_out(store: Arc<dyn Store>) {
+    let stale = claimed(&store, claim("order:8:invoice", "a", SHORT)).await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let current = claimed(&store, claim("order:8:invoice", "b", LONG)).await;
+
+    let (outcome, enqueued) = store
+        .effect_succeed_with_child(&stale, child("order:8:invoice"))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Fence::FencedOut);
+    assert!(!enqueued.inserted);
+    assert!(
+        children(&store).await.is_empty(),
+        "the child insert was rolled back"
+    );
+    assert_eq!(
+        store
+            .effect_get("order:8:invoice")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        EffectStatus::Processing
+    );
+
+    let (outcome, enqueued) = store
+        .effect_succeed_with_child(&current, child("order:8:invoice"))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Fence::Applied);
+    assert!(enqueued.inserted);
+    assert_eq!(children(&store).await.len(), 1);
+
+    // After the fact the stale worker learns the existing child's id.
+    let (outcome, late) = store
+        .effect_succeed_with_child(&stale, child("order:8:invoice"))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Fence::FencedOut);
+    assert_eq!(
+        late,
+        Enqueued {
+            id: enqueued.id,
+            inserted: false
+        }
+    );
+    assert_eq!(children(&store).await.len(), 1);
+}
+
+pub async fn effect_child_existing_key(store: Arc<dyn Store>) {
+    let existing = store.job_insert(child("order:9:invoice")).await.unwrap();
+    let fence = claimed(&store, claim("order:9:invoice", "w", LONG)).await;
+    let (outcome, enqueued) = store
+        .effect_succeed_with_child(&fence, child("order:9:invoice"))
+        .await
+        .unwrap();
+    assert_eq!(outcome, Fence::Applied);
+    assert_eq!(
+        enqueued,
+        Enqueued {
+            id: existing.id,
+            inserted: false
+        }
+    );
+    assert_eq!(
+        store
+            .effect_get("order:9:invoice")
+            .await
+            .unwrap()
+            .unwrap()
+            .result_ref,
+        Some(existing.id.to_string())
+    );
+    assert_eq!(children(&store).await.len(), 1);
+}
+
+pub async fn effect_list_by_job(store: Arc<dyn Store>) {
+    let for_job = |key: &str, job: i64| EffectClaimParams {
+        job_id: JobId(job),
+        ..claim(key, "w", LONG)
+    };
+    claimed(&store, for_job("a:1", 10)).await;
+    claimed(&store, for_job("a:2", 10)).await;
+    claimed(&store, for_job("b:1", 11)).await;
+    let keys: Vec<String> = store
+        .effect_list(JobId(10))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.key)
+        .collect();
+    assert_eq!(keys, ["a:1", "a:2"]);
+    assert_eq!(store.effect_list(JobId(11)).await.unwrap().len(), 1);
+    assert!(store.effect_list(JobId(12)).await.unwrap().is_empty());
+}

@@ -1,0 +1,234 @@
+//! The store conformance suite on SQLite (a fresh file per test), plus what
+//! only SQLite has.
+
+mod conformance;
+
+use conformance::{Fixture, LONG, claim_params, job, keyed};
+use idem::store::sqlite::{SqliteStore, job_insert_in};
+use idem::store::{JobFilter, JobId, JobState, Store, StoreError};
+use std::collections::HashSet;
+use std::sync::Arc;
+
+async fn open(dir: &tempfile::TempDir) -> SqliteStore {
+    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+    SqliteStore::connect(&url).await.unwrap()
+}
+
+async fn sqlite_fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    Fixture {
+        store: Arc::new(store),
+        keep: Box::new(dir),
+        teardown: None,
+    }
+}
+
+conformance::conformance_suite!(sqlite_fixture);
+
+#[tokio::test]
+async fn transactional_enqueue_commits_or_rolls_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let enqueued = job_insert_in(&mut tx, keyed("outbox", "order:1:created"))
+        .await
+        .unwrap();
+    assert!(enqueued.inserted);
+    tx.rollback().await.unwrap();
+    assert!(
+        store.job_get(enqueued.id).await.unwrap().is_none(),
+        "rolled back: no job"
+    );
+    assert!(
+        store
+            .job_list(JobFilter::default())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    let mut tx = store.pool().begin().await.unwrap();
+    sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO orders (id) VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let enqueued = job_insert_in(&mut tx, keyed("outbox", "order:1:created"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    store.notify_jobs();
+    let job = store
+        .job_get(enqueued.id)
+        .await
+        .unwrap()
+        .expect("committed: visible");
+    assert_eq!(job.state, JobState::Available);
+    let again = store
+        .job_insert(keyed("outbox", "order:1:created"))
+        .await
+        .unwrap();
+    assert_eq!(again.id, enqueued.id);
+    assert!(!again.inserted);
+
+    let invalid = {
+        let mut conn = store.pool().acquire().await.unwrap();
+        job_insert_in(&mut conn, keyed("outbox", ""))
+            .await
+            .unwrap_err()
+    };
+    assert!(matches!(invalid, StoreError::Invalid(_)));
+}
+
+#[tokio::test]
+async fn closed_pool_gives_transient_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    store.job_insert(job("x")).await.unwrap();
+    store.pool().close().await;
+    let err = store.job_get(JobId(1)).await.unwrap_err();
+    assert!(matches!(err, StoreError::Database(_)), "{err:?}");
+    assert!(err.is_transient(), "{err:?}");
+    assert!(
+        store
+            .job_claim(claim_params("w", 1, LONG))
+            .await
+            .unwrap_err()
+            .is_transient()
+    );
+    assert!(store.job_insert(job("x")).await.unwrap_err().is_transient());
+}
+
+#[tokio::test]
+async fn corrupt_row_is_reported_and_claim_rolled_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    let id = store.job_insert(job("x")).await.unwrap().id;
+    sqlx::query("UPDATE jobs SET errors = 'not json' WHERE id = ?1")
+        .bind(id.0)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let err = store.job_get(id).await.unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    assert!(!err.is_transient());
+    let err = store
+        .job_claim(claim_params("w", 1, LONG))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
+    let state: String = sqlx::query_scalar("SELECT state FROM jobs WHERE id = ?1")
+        .bind(id.0)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(state, "available", "the claim was rolled back");
+}
+
+#[tokio::test]
+async fn connect_creates_the_file_with_wal_and_pragmas() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fresh.db");
+    assert!(!path.exists());
+    let store = idem::store::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    assert_eq!(store.backend(), "sqlite");
+    assert!(path.exists());
+    drop(store);
+
+    let store = SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    let mut conn = store.pool().acquire().await.unwrap();
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(mode, "wal");
+    let fk: i64 = sqlx::query_scalar("PRAGMA foreign_keys")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(fk, 1);
+    let busy: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(busy, 5_000);
+    let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(sync, 1, "NORMAL");
+    // Reopening an existing file applies no migration twice.
+    drop(conn);
+    drop(store);
+    SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+
+    let err = idem::store::connect("mysql://nope")
+        .await
+        .err()
+        .expect("unsupported");
+    assert!(matches!(err, StoreError::UnsupportedUrl(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_memory_database_works() {
+    let store = idem::store::connect("sqlite::memory:").await.unwrap();
+    let id = store.job_insert(job("m")).await.unwrap().id;
+    let claimed = store.job_claim(claim_params("w", 10, LONG)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].id, id);
+    let jobs = store.job_list(JobFilter::default()).await.unwrap();
+    assert_eq!(jobs.len(), 1, "one database shared by the pool");
+}
+
+/// Two stores on one file stand for two processes: the write lock, not the
+/// pool, keeps claims exclusive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_stores_on_one_file_claim_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let first: Arc<dyn Store> = Arc::new(open(&dir).await);
+    let second: Arc<dyn Store> = Arc::new(open(&dir).await);
+    first
+        .job_insert_many((0..500).map(|_| job("x")).collect())
+        .await
+        .unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|w| {
+            let store = if w % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
+            tokio::spawn(async move {
+                let mut mine = Vec::new();
+                loop {
+                    let claimed = store
+                        .job_claim(claim_params(&format!("w{w}"), 5, LONG))
+                        .await
+                        .unwrap();
+                    if claimed.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(claimed.into_iter().map(|j| j.id));
+                }
+            })
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    for task in tasks {
+        for id in task.await.unwrap() {
+            assert!(seen.insert(id), "job {id} claimed twice");
+        }
+    }
+    assert_eq!(seen.len(), 500);
+}

@@ -1,0 +1,386 @@
+//! Effects carried out exactly once, on both backends, asserting on what the
+//! local provider server really applied.
+
+use idem::effects::executor::{Executor, PlanOutcome};
+use idem::effects::{Action, Effect};
+use idem::provider_server::{Fault, ProviderServerConfig};
+use idem::queue::stats::WorkerStats;
+use idem::store::{ClaimParams, JobFilter, JobState, NewJob};
+use idem_tests::{Backend, Harness, both_backends, plugins};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn invoice(id: u64, recipient: &str) -> NewJob {
+    NewJob::new(
+        "send_invoice_email",
+        format!(r#"{{"invoice_id": {id}, "recipient": "{recipient}"}}"#).into_bytes(),
+    )
+}
+
+fn order(order_id: u64, event: &str) -> NewJob {
+    NewJob::new(
+        "order_sync",
+        format!(r#"{{"order_id": {order_id}, "event_id": "{event}", "destination": "acme"}}"#)
+            .into_bytes(),
+    )
+}
+
+async fn jobs(h: &Harness, state: JobState) -> Vec<idem::store::Job> {
+    h.store
+        .job_list(JobFilter {
+            states: vec![state],
+            limit: 1000,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap()
+}
+
+async fn the_same_invoice_event_delivered_three_times_sends_one_email(backend: Backend) {
+    let h = Harness::new(backend).await;
+    for _ in 0..3 {
+        h.store
+            .job_insert(invoice(42, "ana@example.com"))
+            .await
+            .unwrap();
+    }
+    let stats = h.drain().await;
+    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(stats.succeeded, 3);
+    assert_eq!(stats.idempotency_hits, 2, "{stats:?}");
+    let effect = h
+        .store
+        .effect_get("invoice:42:email:v1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(effect.result_ref.unwrap().starts_with("msg_"));
+}
+
+async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_sends_one_email(backend: Backend) {
+    let h = Harness::with_provider(
+        backend,
+        ProviderServerConfig {
+            late_by: Duration::from_millis(1500),
+            ..ProviderServerConfig::default()
+        },
+    )
+    .await;
+    h.provider
+        .script_faults("invoice:42:email:v1", vec![Fault::Late]);
+    let id = h
+        .store
+        .job_insert(invoice(42, "ana@example.com"))
+        .await
+        .unwrap()
+        .id;
+    let stats = h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!(job.attempt, 2, "one ambiguous attempt, then success");
+    assert_eq!(job.errors[0].code, "provider_timeout");
+    assert_eq!(job.errors[0].class, "ambiguous");
+    assert_eq!(
+        h.provider.applied("invoice:42:email:v1"),
+        1,
+        "the provider applied it once"
+    );
+    assert!(h.provider.requests("invoice:42:email:v1") >= 2);
+    assert_eq!(stats.effects_failed, 1);
+}
+
+async fn a_429_is_retried_after_its_retry_after_and_then_succeeds(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.provider
+        .script_faults("invoice:42:email:v1", vec![Fault::TooManyRequests]);
+    let id = h
+        .store
+        .job_insert(invoice(42, "ana@example.com"))
+        .await
+        .unwrap()
+        .id;
+    let started = std::time::Instant::now();
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!(job.errors[0].code, "provider_rate_limited");
+    assert!(
+        started.elapsed() >= Duration::from_secs(1),
+        "Retry-After: 1 was honoured"
+    );
+    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
+}
+
+async fn a_permanent_provider_error_dead_letters_with_its_code_and_sends_nothing(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.provider
+        .script_faults("invoice:42:email:v1", vec![Fault::BadRequest]);
+    let id = h
+        .store
+        .job_insert(invoice(42, "ana@example.com"))
+        .await
+        .unwrap()
+        .id;
+    let stats = h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.attempt, 1, "permanent: no retry");
+    assert_eq!(job.last_error_code.as_deref(), Some("bad_request"));
+    assert_eq!(h.provider.applied("invoice:42:email:v1"), 0);
+    assert_eq!(stats.dead, 1);
+    let effect = h
+        .store
+        .effect_get("invoice:42:email:v1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(effect.status, idem::store::EffectStatus::Failed);
+}
+
+async fn a_plugin_rejection_dead_letters_at_once(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = h.store.job_insert(invoice(43, "nobody")).await.unwrap().id;
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.last_error_code.as_deref(), Some("invalid_recipient"));
+    assert!(h.provider.calls().await.is_empty());
+}
+
+async fn a_key_reused_for_a_different_request_is_an_idempotency_key_conflict(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let first = h
+        .store
+        .job_insert(invoice(42, "ana@example.com"))
+        .await
+        .unwrap()
+        .id;
+    h.drain().await;
+    // Same invoice, other recipient: same key, different request.
+    let second = h
+        .store
+        .job_insert(invoice(42, "bob@example.com"))
+        .await
+        .unwrap()
+        .id;
+    h.drain().await;
+    assert_eq!(
+        h.store.job_get(first).await.unwrap().unwrap().state,
+        JobState::Succeeded
+    );
+    let job = h.store.job_get(second).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(
+        job.last_error_code.as_deref(),
+        Some("idempotency_key_conflict")
+    );
+    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        h.provider.requests("invoice:42:email:v1"),
+        1,
+        "the conflicting request never left the host"
+    );
+}
+
+async fn the_provider_reports_a_key_conflict_as_permanent(backend: Backend) {
+    // The ledger lost its row (e.g. a restore): the provider still protects the key.
+    let h = Harness::new(backend).await;
+    let client = reqwest_free_post(&h.provider.base_url, "invoice:42:email:v1").await;
+    assert!(client);
+    let id = h
+        .store
+        .job_insert(invoice(42, "ana@example.com"))
+        .await
+        .unwrap()
+        .id;
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(
+        job.last_error_code.as_deref(),
+        Some("idempotency_key_conflict")
+    );
+    assert_eq!(job.state, JobState::Dead);
+}
+
+/// Sends a different request with `key` to the provider server directly.
+async fn reqwest_free_post(base_url: &str, key: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = base_url.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let body = r#"{"to":["someone@else.com"],"subject":"other"}"#;
+    let request = format!(
+        "POST /emails HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response.starts_with("HTTP/1.1 200")
+}
+
+async fn an_effect_for_an_ungranted_provider_is_refused_and_nothing_is_sent(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.set_manifest("send_invoice_email", "providers = [\"partner\"]");
+    let id = h
+        .store
+        .job_insert(invoice(42, "ana@example.com"))
+        .await
+        .unwrap()
+        .id;
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.last_error_code.as_deref(), Some("effect_not_allowed"));
+    assert!(job.plan.is_none(), "a refused plan is not stored");
+    assert!(h.provider.calls().await.is_empty());
+}
+
+async fn the_order_flow_delivered_twice_sends_one_webhook_and_enqueues_one_invoice_job(
+    backend: Backend,
+) {
+    let h = Harness::new(backend).await;
+    h.store.job_insert(order(7, "evt_1")).await.unwrap();
+    h.store.job_insert(order(7, "evt_1")).await.unwrap();
+    let stats = h.drain().await;
+    assert_eq!(h.provider.applied("webhook:evt_1:acme"), 1);
+    let invoices: Vec<_> = jobs(&h, JobState::Succeeded)
+        .await
+        .into_iter()
+        .filter(|j| j.plugin == "send_invoice_email")
+        .collect();
+    assert_eq!(invoices.len(), 1, "exactly one child invoice job");
+    assert_eq!(
+        invoices[0].idempotency_key.as_deref(),
+        Some("order:7:invoice")
+    );
+    assert_eq!(
+        h.provider.applied("invoice:7:email:v1"),
+        1,
+        "and its email, once"
+    );
+    assert_eq!(stats.succeeded, 3);
+}
+
+async fn a_plugin_upgrade_between_attempts_still_executes_the_stored_plan(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.provider
+        .script_faults("webhook:evt_9:acme", vec![Fault::ServerError]);
+    let id = h.store.job_insert(order(9, "evt_9")).await.unwrap().id;
+    // First attempt only: the webhook fails after the plan was stored.
+    let mut settings = h.settings("first");
+    settings.exit_when_drained = false;
+    let worker =
+        idem::queue::Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(worker.clone().run(stop.clone()));
+    loop {
+        let job = h.store.job_get(id).await.unwrap().unwrap();
+        if job.state != JobState::Running && job.attempt == 1 && job.last_error_code.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    let stored = h.store.job_get(id).await.unwrap().unwrap();
+    assert!(stored.plan.is_some());
+    // Upgrade: order_sync now returns nothing at all.
+    std::fs::copy(plugins::NOOP, h.plugins_dir.path().join("order_sync.wasm")).unwrap();
+    h.registry.refresh();
+    assert_ne!(
+        h.registry.get("order_sync").unwrap().hash().0,
+        stored.plan_hash.clone().unwrap()
+    );
+    let stats = h.drain().await;
+    assert_eq!(
+        stats.plugin_calls, 1,
+        "only the child invoice job called a plugin"
+    );
+    assert_eq!(stats.plans_reused, 1);
+    assert_eq!(h.provider.applied("webhook:evt_9:acme"), 1);
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!(job.plan, stored.plan);
+    assert_eq!(h.provider.applied("invoice:9:email:v1"), 1);
+}
+
+async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: Backend) {
+    let h = Harness::with_provider(
+        backend,
+        ProviderServerConfig {
+            processing_delay: Duration::from_millis(400),
+            ..ProviderServerConfig::default()
+        },
+    )
+    .await;
+    h.store
+        .job_insert(invoice(42, "ana@example.com"))
+        .await
+        .unwrap();
+    let job = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "default".into(),
+            worker: "a".into(),
+            limit: 1,
+            lease: Duration::from_secs(30),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    let plan = vec![Effect {
+        provider: "email".into(),
+        idempotency_key: "invoice:42:email:v1".into(),
+        action: Action::Email {
+            to: vec!["ana@example.com".into()],
+            subject: "Invoice 42".into(),
+            text: Some("hi".into()),
+            html: None,
+            template: None,
+        },
+    }];
+    let executor = |worker: &str| Executor {
+        store: h.store.clone(),
+        providers: h.providers(),
+        worker: worker.into(),
+        effect_lease: Duration::from_secs(30),
+        child_max_attempts: 5,
+        stats: Arc::new(WorkerStats::default()),
+    };
+    let (a, b) = (executor("a"), executor("b"));
+    let (ra, rb) = tokio::join!(a.execute(&job, &plan), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.execute(&job, &plan).await
+    });
+    assert!(matches!(ra, PlanOutcome::Done), "{ra:?}");
+    assert!(
+        matches!(
+            rb,
+            PlanOutcome::Deferred {
+                reason: "effect_leased_by_other",
+                ..
+            }
+        ),
+        "{rb:?}"
+    );
+    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
+    // The loser's retry finds the effect done.
+    assert!(matches!(b.execute(&job, &plan).await, PlanOutcome::Done));
+    assert_eq!(b.stats.snapshot().idempotency_hits, 1);
+    assert_eq!(h.provider.requests("invoice:42:email:v1"), 1);
+}
+
+both_backends!(
+    the_same_invoice_event_delivered_three_times_sends_one_email,
+    an_ambiguous_timeout_is_retried_with_the_same_key_and_sends_one_email,
+    a_429_is_retried_after_its_retry_after_and_then_succeeds,
+    a_permanent_provider_error_dead_letters_with_its_code_and_sends_nothing,
+    a_plugin_rejection_dead_letters_at_once,
+    a_key_reused_for_a_different_request_is_an_idempotency_key_conflict,
+    the_provider_reports_a_key_conflict_as_permanent,
+    an_effect_for_an_ungranted_provider_is_refused_and_nothing_is_sent,
+    the_order_flow_delivered_twice_sends_one_webhook_and_enqueues_one_invoice_job,
+    a_plugin_upgrade_between_attempts_still_executes_the_stored_plan,
+    two_workers_on_the_same_job_at_once_carry_the_effect_out_once,
+);
