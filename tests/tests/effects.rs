@@ -349,9 +349,10 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
         stats: Arc::new(WorkerStats::default()),
     };
     let (a, b) = (executor("a"), executor("b"));
-    let (ra, rb) = tokio::join!(a.execute(&job, &plan), async {
+    let never = tokio_util::sync::CancellationToken::new();
+    let (ra, rb) = tokio::join!(a.execute(&job, &plan, &never), async {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        b.execute(&job, &plan).await
+        b.execute(&job, &plan, &never).await
     });
     assert!(matches!(ra, PlanOutcome::Done), "{ra:?}");
     assert!(
@@ -366,7 +367,10 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
     );
     assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
     // The loser's retry finds the effect done.
-    assert!(matches!(b.execute(&job, &plan).await, PlanOutcome::Done));
+    assert!(matches!(
+        b.execute(&job, &plan, &never).await,
+        PlanOutcome::Done
+    ));
     assert_eq!(b.stats.snapshot().idempotency_hits, 1);
     assert_eq!(h.provider.requests("invoice:42:email:v1"), 1);
 }

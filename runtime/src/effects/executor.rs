@@ -19,6 +19,7 @@ use crate::store::{
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 /// Longest deferral when another worker holds an effect's key.
 pub const DEFER_LEASED: Duration = Duration::from_millis(500);
@@ -39,6 +40,8 @@ pub enum PlanOutcome {
     },
     /// The store failed; the job's lease will expire and it will be redelivered.
     Store(StoreError),
+    /// Shutdown interrupted the plan; the effect in flight was handed back.
+    Aborted,
 }
 
 /// What the executor needs.
@@ -115,12 +118,22 @@ impl Executor {
         Ok(())
     }
 
-    /// Executes a plan for a claimed job.
-    pub async fn execute(&self, job: &Job, plan: &[Effect]) -> PlanOutcome {
+    /// Executes a plan for a claimed job. When `abort` fires (shutdown), the
+    /// provider call in flight is abandoned and its key handed back at once
+    /// (the provider's dedupe makes the next call safe).
+    pub async fn execute(
+        &self,
+        job: &Job,
+        plan: &[Effect],
+        abort: &CancellationToken,
+    ) -> PlanOutcome {
         for effect in plan {
+            if abort.is_cancelled() {
+                return PlanOutcome::Aborted;
+            }
             let span = tracing::info_span!("effect", key = %effect.idempotency_key, provider = %effect.provider);
             let _enter = span.enter();
-            match self.execute_one(job, effect).await {
+            match self.execute_one(job, effect, abort).await {
                 Ok(()) => {}
                 Err(outcome) => return outcome,
             }
@@ -128,7 +141,12 @@ impl Executor {
         PlanOutcome::Done
     }
 
-    async fn execute_one(&self, job: &Job, effect: &Effect) -> Result<(), PlanOutcome> {
+    async fn execute_one(
+        &self,
+        job: &Job,
+        effect: &Effect,
+        abort: &CancellationToken,
+    ) -> Result<(), PlanOutcome> {
         let claim = self
             .store
             .effect_claim(EffectClaimParams {
@@ -181,7 +199,7 @@ impl Executor {
         if effect.provider == JOBS_PROVIDER {
             return self.enqueue_child(job, effect, &fence).await;
         }
-        self.call_provider(effect, &fence).await
+        self.call_provider(effect, &fence, abort).await
     }
 
     async fn enqueue_child(
@@ -228,7 +246,12 @@ impl Executor {
         Ok(())
     }
 
-    async fn call_provider(&self, effect: &Effect, fence: &EffectFence) -> Result<(), PlanOutcome> {
+    async fn call_provider(
+        &self,
+        effect: &Effect,
+        fence: &EffectFence,
+        abort: &CancellationToken,
+    ) -> Result<(), PlanOutcome> {
         let Some(provider) = self.providers.get(&effect.provider) else {
             let failure = Failure::permanent(
                 "provider_not_configured",
@@ -252,7 +275,15 @@ impl Executor {
             }
         };
         let started = Instant::now();
-        let result = provider.provider.execute(effect).await;
+        let result = tokio::select! {
+            result = provider.provider.execute(effect) => result,
+            _ = abort.cancelled() => {
+                drop(permit);
+                let interrupted = Failure::ambiguous("shutdown", "interrupted by shutdown while calling the provider");
+                self.fail(fence, &interrupted).await?;
+                return Err(PlanOutcome::Aborted);
+            }
+        };
         let took = started.elapsed();
         metrics::provider_call(
             &effect.provider,

@@ -23,6 +23,8 @@ pub enum Attempt {
         /// Why.
         reason: &'static str,
     },
+    /// Shutdown interrupted it: give the lease back, attempt kept.
+    Interrupted,
 }
 
 /// Settings for the decisions.
@@ -36,7 +38,7 @@ pub struct Policy {
 
 /// Records `attempt` for `job`: succeeded; retrying with full-jitter backoff
 /// (a larger retry-after wins); dead when permanent or out of attempts;
-/// deferred with the attempt refunded.
+/// deferred with the attempt refunded; interrupted → lease given back.
 pub async fn record(
     store: &dyn Store,
     stats: &WorkerStats,
@@ -49,6 +51,10 @@ pub async fn record(
         Attempt::Succeeded => {
             metrics::job_attempts(&job.plugin, job.attempt);
             (store.job_set_succeeded(&fence).await?, "succeeded")
+        }
+        Attempt::Interrupted => {
+            tracing::info!("lease given back at shutdown");
+            (store.job_release(&fence).await?, "released")
         }
         Attempt::Deferred { delay, reason } => {
             tracing::info!(?delay, reason, "job deferred");
@@ -107,7 +113,8 @@ pub async fn record(
                 "succeeded" => &stats.succeeded,
                 "deferred" => &stats.deferred,
                 "dead" => &stats.dead,
-                _ => &stats.retried,
+                "retried" => &stats.retried,
+                _ => return Ok(written),
             };
             WorkerStats::bump(counter);
         }

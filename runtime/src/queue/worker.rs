@@ -268,20 +268,11 @@ impl Worker {
             lost.clone(),
         ));
         let attempt = tokio::select! {
-            attempt = self.attempt(&job, plugin) => attempt,
+            attempt = self.attempt(&job, plugin, &abort) => attempt,
             _ = lost.cancelled() => {
                 tracing::warn!("lease lost while running: abandoning this attempt");
                 WorkerStats::bump(&self.stats.fenced_out);
                 heartbeat.abort();
-                return;
-            }
-            _ = abort.cancelled() => {
-                heartbeat.abort();
-                match self.store.job_release(&job.fence()).await {
-                    Ok(Fence::Applied) => tracing::info!("lease given back at shutdown"),
-                    Ok(Fence::FencedOut) => {}
-                    Err(error) => tracing::error!(%error, "cannot give the lease back; it will expire"),
-                }
                 return;
             }
         };
@@ -297,6 +288,7 @@ impl Worker {
             Attempt::Succeeded => "succeeded",
             Attempt::Failed(_) => "failed",
             Attempt::Deferred { .. } => "deferred",
+            Attempt::Interrupted => "interrupted",
         };
         let policy = Policy {
             backoff: self.backoff_for(&job),
@@ -332,11 +324,13 @@ impl Worker {
     }
 
     /// One attempt: the stored plan if there is one, else a plugin call
-    /// whose checked plan is stored before the first effect runs.
+    /// whose checked plan is stored before the first effect runs. Shutdown
+    /// (`abort`) interrupts it between steps or during a call.
     async fn attempt(
         &self,
         job: &Job,
         plugin: Option<Arc<LoadedPlugin>>,
+        abort: &CancellationToken,
     ) -> Result<Attempt, StoreError> {
         let fence = job.fence();
         let plan: Vec<Effect> = match &job.plan {
@@ -374,7 +368,12 @@ impl Worker {
                         reason: "fenced_out",
                     });
                 }
-                let plan = match self.call_plugin(job, &plugin).await {
+                let call = tokio::select! {
+                    call = self.call_plugin(job, &plugin) => call,
+                    // The call stops at its deadline on its own; its result is dropped.
+                    _ = abort.cancelled() => return Ok(Attempt::Interrupted),
+                };
+                let plan = match call {
                     Ok(plan) => plan,
                     Err(failure) => return Ok(Attempt::Failed(failure)),
                 };
@@ -405,11 +404,12 @@ impl Worker {
                 }
             }
         };
-        Ok(match self.executor.execute(job, &plan).await {
+        Ok(match self.executor.execute(job, &plan, abort).await {
             PlanOutcome::Done => Attempt::Succeeded,
             PlanOutcome::Failed(failure) => Attempt::Failed(failure),
             PlanOutcome::Deferred { delay, reason } => Attempt::Deferred { delay, reason },
             PlanOutcome::Store(error) => return Err(error),
+            PlanOutcome::Aborted => Attempt::Interrupted,
         })
     }
 

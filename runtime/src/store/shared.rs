@@ -12,8 +12,9 @@ use std::time::Duration;
 /// never overflow a 64-bit millisecond timestamp.
 const MAX_DURATION_MS: i64 = 100 * 365 * 24 * 3600 * 1000;
 
-/// Rows per multi-row statement: 1,000 rows of 8 binds stays far below
-/// SQLite's 32,766 variables and PostgreSQL's 65,535 parameters.
+/// Rows per batch-insert statement. SQLite binds 8 variables a row, so 1,000
+/// rows stay far below its 32,766; PostgreSQL binds 8 arrays whatever the
+/// count, and the chunk only bounds one statement's size.
 pub(crate) const INSERT_CHUNK: usize = 1000;
 
 /// A job checked and normalised for insertion.

@@ -1,0 +1,210 @@
+//! The worker loop on both backends: hostile plugins are classified and the
+//! worker keeps serving, shutdown gives leases back, dead jobs replay once the
+//! cause is fixed, expired leases are rescued and the stale holder is fenced out.
+
+use idem::provider_server::ProviderServerConfig;
+use idem::providers::Providers;
+use idem::queue::Worker;
+use idem::store::{ClaimParams, Fence, JobFilter, JobState, NewJob};
+use idem_tests::{Backend, Harness, both_backends};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+fn invoice(id: u64) -> NewJob {
+    NewJob::new(
+        "send_invoice_email",
+        format!(r#"{{"invoice_id": {id}, "recipient": "ana@example.com"}}"#).into_bytes(),
+    )
+}
+
+async fn hostile_plugins_are_recorded_with_their_codes_and_the_worker_keeps_serving(
+    backend: Backend,
+) {
+    let h = Harness::new(backend).await;
+    let mut hostile = Vec::new();
+    for plugin in [
+        "hostile_loop",
+        "hostile_memory_bomb",
+        "hostile_recursion",
+        "hostile_panic",
+        "hostile_effect_flood",
+        "no_such_plugin",
+    ] {
+        let mut job = NewJob::new(plugin, b"{}".to_vec());
+        job.max_attempts = 1;
+        hostile.push((plugin, h.store.job_insert(job).await.unwrap().id));
+    }
+    let good: Vec<_> = futures_ids(&h, 5).await;
+    let stats = h.drain().await;
+    for (plugin, id) in hostile {
+        let job = h.store.job_get(id).await.unwrap().unwrap();
+        let expected = match plugin {
+            "hostile_loop" => "plugin_timeout",
+            "hostile_memory_bomb" => "plugin_out_of_memory",
+            "hostile_recursion" => "plugin_stack_overflow",
+            "hostile_panic" => "plugin_panic",
+            "hostile_effect_flood" => "plugin_output_too_large",
+            _ => "plugin_not_found",
+        };
+        assert_eq!(job.state, JobState::Dead, "{plugin}");
+        assert_eq!(job.last_error_code.as_deref(), Some(expected), "{plugin}");
+        assert_eq!(job.errors.len(), 1, "{plugin}");
+        if plugin != "no_such_plugin" {
+            assert!(
+                job.plugin_hash.is_some(),
+                "{plugin}: the plugin version is recorded"
+            );
+        }
+    }
+    for id in good {
+        assert_eq!(
+            h.store.job_get(id).await.unwrap().unwrap().state,
+            JobState::Succeeded
+        );
+    }
+    assert_eq!(stats.dead, 6);
+    assert_eq!(stats.succeeded, 5);
+}
+
+async fn futures_ids(h: &Harness, n: u64) -> Vec<idem::store::JobId> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        ids.push(h.store.job_insert(invoice(100 + i)).await.unwrap().id);
+    }
+    ids
+}
+
+async fn retryable_faults_are_retried_with_backoff_until_attempts_run_out(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let mut job = NewJob::new("hostile_panic", b"{}".to_vec());
+    job.max_attempts = 3;
+    let id = h.store.job_insert(job).await.unwrap().id;
+    let stats = h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.attempt, 3);
+    assert_eq!(job.errors.len(), 3);
+    assert!(job.errors.iter().all(|e| e.code == "plugin_panic"));
+    assert!(job.first_failed_at_ms.unwrap() < job.last_failed_at_ms.unwrap());
+    assert_eq!(stats.retried, 2);
+    assert_eq!(stats.dead, 1);
+}
+
+async fn shutdown_gives_leases_back(backend: Backend) {
+    let mut h = Harness::with_provider(
+        backend,
+        ProviderServerConfig {
+            processing_delay: Duration::from_secs(3),
+            ..ProviderServerConfig::default()
+        },
+    )
+    .await;
+    h.provider_timeout = Duration::from_secs(10);
+    let id = h.store.job_insert(invoice(1)).await.unwrap().id;
+    let mut settings = h.settings("stopping");
+    settings.exit_when_drained = false;
+    settings.shutdown_grace = Duration::from_millis(100);
+    let worker = Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
+    let stop = CancellationToken::new();
+    let run = tokio::spawn(worker.run(stop.clone()));
+    while h.provider.requests("invoice:1:email:v1") == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .expect("stops quickly")
+        .unwrap()
+        .unwrap();
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Available, "the lease was given back");
+    assert_eq!(job.lease_owner, None);
+    assert_eq!(job.attempt, 1, "attempt kept");
+    let effect = h
+        .store
+        .effect_get("invoice:1:email:v1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        effect.lease_owner, None,
+        "the effect's key was handed back too"
+    );
+    // Another worker finishes it; the provider dedupes the interrupted call.
+    h.drain().await;
+    let done = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(done.state, JobState::Succeeded, "{:?}", done.errors);
+    assert_eq!(h.provider.applied("invoice:1:email:v1"), 1);
+}
+
+async fn a_dead_job_replays_and_succeeds_once_the_cause_is_fixed(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = h.store.job_insert(invoice(5)).await.unwrap().id;
+    // Misconfigured host: no email provider.
+    h.drain_with(Providers::default()).await;
+    let dead = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(dead.state, JobState::Dead);
+    assert_eq!(dead.attempt, 1, "permanent: dead at once");
+    assert_eq!(
+        dead.last_error_code.as_deref(),
+        Some("provider_not_configured")
+    );
+    let listed = h
+        .store
+        .job_list(JobFilter {
+            states: vec![JobState::Dead],
+            error_code: Some("provider_not_configured".into()),
+            limit: 10,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    // Fixed: replay with the provider configured.
+    assert_eq!(h.store.job_replay(&[id]).await.unwrap(), 1);
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!(job.attempt, 1, "attempts were reset");
+    assert_eq!(job.errors.len(), 1, "the history is kept");
+    assert_eq!(h.provider.applied("invoice:5:email:v1"), 1);
+}
+
+async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = h.store.job_insert(invoice(8)).await.unwrap().id;
+    let ghost = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "default".into(),
+            worker: "ghost".into(),
+            limit: 1,
+            lease: Duration::from_millis(200),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stats = h.drain().await;
+    assert_eq!(stats.rescued, 1);
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!(job.rescues, 1);
+    assert_eq!(job.attempt, 2);
+    // The ghost wakes up and tries to finish: rejected, nothing changes.
+    assert_eq!(
+        h.store.job_set_succeeded(&ghost.fence()).await.unwrap(),
+        Fence::FencedOut
+    );
+    assert_eq!(h.store.job_get(id).await.unwrap().unwrap(), job);
+    assert_eq!(h.provider.applied("invoice:8:email:v1"), 1);
+}
+
+both_backends!(
+    hostile_plugins_are_recorded_with_their_codes_and_the_worker_keeps_serving,
+    retryable_faults_are_retried_with_backoff_until_attempts_run_out,
+    shutdown_gives_leases_back,
+    a_dead_job_replays_and_succeeds_once_the_cause_is_fixed,
+    an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out,
+);
