@@ -159,3 +159,141 @@ fn list_shows_names_hashes_and_limits_and_reports_the_bad_file() {
         "{stderr}"
     );
 }
+
+/// `idem` in a working directory, with extra environment.
+fn idem_in(dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
+        .current_dir(dir)
+        .args(["--plugins-dir", plugins::PLUGINS_DIR])
+        .args(args)
+        .env_remove("IDEM_DATABASE_URL")
+        .env("IDEM_CACHE_DIR", std::env::temp_dir().join("idem-cli-test-cache"));
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().expect("run idem")
+}
+
+fn ok(out: &Output) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// enqueue → run → dlq list/show/replay → run, on one store.
+fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
+    let args = |rest: &[&str]| -> Vec<String> { db.iter().chain(rest).map(|s| s.to_string()).collect() };
+    let run = |rest: &[&str]| {
+        let all = args(rest);
+        let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+        idem_in(dir, &refs, &[("IDEM_BACKOFF_BASE", "50ms"), ("IDEM_POLL_INTERVAL", "100ms")])
+    };
+    ok(&run(&["migrate"]));
+    let first = ok(&run(&["enqueue", "noop", "--payload", "{}", "--key", "k1"]));
+    let again = ok(&run(&["enqueue", "noop", "--payload", "{}", "--key", "k1"]));
+    assert_eq!(first.trim(), again.trim(), "a duplicate key returns the existing job");
+    ok(&run(&["enqueue", "noop", "--payload", "{}", "--priority", "5"]));
+    let scheduled = ok(&run(&["enqueue", "noop", "--payload", "{}", "--delay", "1h"]));
+    // No email provider is configured yet: a permanent, fixable failure.
+    let invoice = ok(&run(&[
+        "enqueue",
+        "send_invoice_email",
+        "--payload",
+        r#"{"invoice_id":42,"recipient":"ana@example.com"}"#,
+    ]));
+    let bad = run(&["enqueue", "noop", "--payload", "{not json"]);
+    assert_eq!(bad.status.code(), Some(2), "malformed payloads are refused");
+    let bad_key = run(&["enqueue", "noop", "--payload", "{}", "--key", "tab\there"]);
+    assert_eq!(bad_key.status.code(), Some(2), "invalid keys are refused");
+
+    let summary: serde_json::Value = serde_json::from_str(&ok(&run(&["run", "--exit-when-drained"]))).unwrap();
+    assert_eq!(summary["worker"]["succeeded"], 2, "{summary}");
+    assert_eq!(summary["worker"]["dead"], 1, "{summary}");
+    assert_eq!(summary["jobs"]["available"], 1, "the job scheduled for later does not hold the drain");
+
+    let list = ok(&run(&["dlq", "list"]));
+    assert!(list.contains("provider_not_configured"), "{list}");
+    let show: serde_json::Value = serde_json::from_str(&ok(&run(&["dlq", "show", invoice.trim()]))).unwrap();
+    assert_eq!(show["state"], "dead");
+    assert_eq!(show["last_error"]["code"], "provider_not_configured");
+    assert_eq!(show["attempt"], 1);
+    assert_eq!(show["payload"], r#"{"invoice_id":42,"recipient":"ana@example.com"}"#);
+    assert!(show["first_failed_at"].is_string());
+
+    // Fix the cause, replay, run again.
+    std::fs::write(
+        dir.join("idem.toml"),
+        format!("[providers.email]\nkind = \"email\"\nbase_url = \"{provider_url}\"\n"),
+    )
+    .unwrap();
+    let replayed = ok(&run(&["dlq", "replay", "--code", "provider_not_configured", "--rate", "100/s"]));
+    assert!(replayed.contains("\"replayed\":1"), "{replayed}");
+    let summary: serde_json::Value = serde_json::from_str(&ok(&run(&["run", "--exit-when-drained"]))).unwrap();
+    assert_eq!(summary["worker"]["succeeded"], 1, "{summary}");
+    assert_eq!(summary["jobs"]["dead"], 0, "{summary}");
+    let stats: serde_json::Value = serde_json::from_str(&ok(&run(&["stats"]))).unwrap();
+    assert_eq!(stats["succeeded"], 3);
+    assert!(!scheduled.trim().is_empty());
+}
+
+fn provider_server() -> (tokio::runtime::Runtime, idem::provider_server::ProviderServerHandle) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let handle = runtime
+        .block_on(idem::provider_server::ProviderServerHandle::start(Default::default()))
+        .unwrap();
+    (runtime, handle)
+}
+
+#[test]
+fn enqueue_run_and_dlq_on_sqlite_with_no_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_runtime, provider) = provider_server();
+    drain_and_replay(dir.path(), &[], &provider.base_url);
+    assert!(dir.path().join("idem.db").exists(), "the default store is ./idem.db");
+    assert_eq!(provider.applied("invoice:42:email:v1"), 1);
+}
+
+#[test]
+fn enqueue_run_and_dlq_on_postgres_with_database_url() {
+    let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("idem_cli_{}", hex::encode(rand::random::<[u8; 6]>()));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&base).await.unwrap();
+        sqlx::query(&format!("CREATE SCHEMA \"{schema}\"")).execute(&mut conn).await.unwrap();
+    });
+    let separator = if base.contains('?') { '&' } else { '?' };
+    let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+    let dir = tempfile::tempdir().unwrap();
+    let (_server_runtime, provider) = provider_server();
+    drain_and_replay(dir.path(), &["--database-url", &url], &provider.base_url);
+    assert!(!dir.path().join("idem.db").exists(), "no SQLite file when PostgreSQL is used");
+    assert_eq!(provider.applied("invoice:42:email:v1"), 1);
+    runtime.block_on(async {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&base).await.unwrap();
+        let _ = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE")).execute(&mut conn).await;
+    });
+}
+
+#[test]
+fn a_dead_database_is_a_clear_runtime_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = idem_in(
+        dir.path(),
+        &["--database-url", "postgres://postgres@127.0.0.1:1/none", "stats"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot open the store"), "{stderr}");
+    let out = idem_in(dir.path(), &["--database-url", "mysql://x", "stats"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -115,8 +115,11 @@ pub enum PluginsCommand {
 
 /// Runs a parsed command line.
 pub async fn run(cli: Cli) -> Result<(), CliError> {
-    let config = crate::config::Config::load(cli.config.as_deref())
+    let mut config = crate::config::Config::load(cli.config.as_deref())
         .map_err(|e| CliError::Usage(e.to_string()))?;
+    if let Some(url) = cli.database_url {
+        config.database_url = url;
+    }
     let plugins_dir = cli
         .plugins_dir
         .clone()
