@@ -168,7 +168,10 @@ fn idem_in(dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Output
         .args(["--plugins-dir", plugins::PLUGINS_DIR])
         .args(args)
         .env_remove("IDEM_DATABASE_URL")
-        .env("IDEM_CACHE_DIR", std::env::temp_dir().join("idem-cli-test-cache"));
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-cli-test-cache"),
+        );
     for (k, v) in env {
         command.env(k, v);
     }
@@ -188,18 +191,44 @@ fn ok(out: &Output) -> String {
 
 /// enqueue → run → dlq list/show/replay → run, on one store.
 fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
-    let args = |rest: &[&str]| -> Vec<String> { db.iter().chain(rest).map(|s| s.to_string()).collect() };
+    let args =
+        |rest: &[&str]| -> Vec<String> { db.iter().chain(rest).map(|s| s.to_string()).collect() };
     let run = |rest: &[&str]| {
         let all = args(rest);
         let refs: Vec<&str> = all.iter().map(String::as_str).collect();
-        idem_in(dir, &refs, &[("IDEM_BACKOFF_BASE", "50ms"), ("IDEM_POLL_INTERVAL", "100ms")])
+        idem_in(
+            dir,
+            &refs,
+            &[
+                ("IDEM_BACKOFF_BASE", "50ms"),
+                ("IDEM_POLL_INTERVAL", "100ms"),
+            ],
+        )
     };
     ok(&run(&["migrate"]));
     let first = ok(&run(&["enqueue", "noop", "--payload", "{}", "--key", "k1"]));
     let again = ok(&run(&["enqueue", "noop", "--payload", "{}", "--key", "k1"]));
-    assert_eq!(first.trim(), again.trim(), "a duplicate key returns the existing job");
-    ok(&run(&["enqueue", "noop", "--payload", "{}", "--priority", "5"]));
-    let scheduled = ok(&run(&["enqueue", "noop", "--payload", "{}", "--delay", "1h"]));
+    assert_eq!(
+        first.trim(),
+        again.trim(),
+        "a duplicate key returns the existing job"
+    );
+    ok(&run(&[
+        "enqueue",
+        "noop",
+        "--payload",
+        "{}",
+        "--priority",
+        "5",
+    ]));
+    let scheduled = ok(&run(&[
+        "enqueue",
+        "noop",
+        "--payload",
+        "{}",
+        "--delay",
+        "1h",
+    ]));
     // No email provider is configured yet: a permanent, fixable failure.
     let invoice = ok(&run(&[
         "enqueue",
@@ -212,18 +241,26 @@ fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
     let bad_key = run(&["enqueue", "noop", "--payload", "{}", "--key", "tab\there"]);
     assert_eq!(bad_key.status.code(), Some(2), "invalid keys are refused");
 
-    let summary: serde_json::Value = serde_json::from_str(&ok(&run(&["run", "--exit-when-drained"]))).unwrap();
+    let summary: serde_json::Value =
+        serde_json::from_str(&ok(&run(&["run", "--exit-when-drained"]))).unwrap();
     assert_eq!(summary["worker"]["succeeded"], 2, "{summary}");
     assert_eq!(summary["worker"]["dead"], 1, "{summary}");
-    assert_eq!(summary["jobs"]["available"], 1, "the job scheduled for later does not hold the drain");
+    assert_eq!(
+        summary["jobs"]["available"], 1,
+        "the job scheduled for later does not hold the drain"
+    );
 
     let list = ok(&run(&["dlq", "list"]));
     assert!(list.contains("provider_not_configured"), "{list}");
-    let show: serde_json::Value = serde_json::from_str(&ok(&run(&["dlq", "show", invoice.trim()]))).unwrap();
+    let show: serde_json::Value =
+        serde_json::from_str(&ok(&run(&["dlq", "show", invoice.trim()]))).unwrap();
     assert_eq!(show["state"], "dead");
     assert_eq!(show["last_error"]["code"], "provider_not_configured");
     assert_eq!(show["attempt"], 1);
-    assert_eq!(show["payload"], r#"{"invoice_id":42,"recipient":"ana@example.com"}"#);
+    assert_eq!(
+        show["payload"],
+        r#"{"invoice_id":42,"recipient":"ana@example.com"}"#
+    );
     assert!(show["first_failed_at"].is_string());
 
     // Fix the cause, replay, run again.
@@ -232,9 +269,17 @@ fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
         format!("[providers.email]\nkind = \"email\"\nbase_url = \"{provider_url}\"\n"),
     )
     .unwrap();
-    let replayed = ok(&run(&["dlq", "replay", "--code", "provider_not_configured", "--rate", "100/s"]));
+    let replayed = ok(&run(&[
+        "dlq",
+        "replay",
+        "--code",
+        "provider_not_configured",
+        "--rate",
+        "100/s",
+    ]));
     assert!(replayed.contains("\"replayed\":1"), "{replayed}");
-    let summary: serde_json::Value = serde_json::from_str(&ok(&run(&["run", "--exit-when-drained"]))).unwrap();
+    let summary: serde_json::Value =
+        serde_json::from_str(&ok(&run(&["run", "--exit-when-drained"]))).unwrap();
     assert_eq!(summary["worker"]["succeeded"], 1, "{summary}");
     assert_eq!(summary["jobs"]["dead"], 0, "{summary}");
     let stats: serde_json::Value = serde_json::from_str(&ok(&run(&["stats"]))).unwrap();
@@ -242,10 +287,15 @@ fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
     assert!(!scheduled.trim().is_empty());
 }
 
-fn provider_server() -> (tokio::runtime::Runtime, idem::provider_server::ProviderServerHandle) {
+fn provider_server() -> (
+    tokio::runtime::Runtime,
+    idem::provider_server::ProviderServerHandle,
+) {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let handle = runtime
-        .block_on(idem::provider_server::ProviderServerHandle::start(Default::default()))
+        .block_on(idem::provider_server::ProviderServerHandle::start(
+            Default::default(),
+        ))
         .unwrap();
     (runtime, handle)
 }
@@ -255,31 +305,43 @@ fn enqueue_run_and_dlq_on_sqlite_with_no_configuration() {
     let dir = tempfile::tempdir().unwrap();
     let (_runtime, provider) = provider_server();
     drain_and_replay(dir.path(), &[], &provider.base_url);
-    assert!(dir.path().join("idem.db").exists(), "the default store is ./idem.db");
+    assert!(
+        dir.path().join("idem.db").exists(),
+        "the default store is ./idem.db"
+    );
     assert_eq!(provider.applied("invoice:42:email:v1"), 1);
 }
 
 #[test]
 fn enqueue_run_and_dlq_on_postgres_with_database_url() {
-    let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let base = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let schema = format!("idem_cli_{}", hex::encode(rand::random::<[u8; 6]>()));
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         use sqlx::Connection;
         let mut conn = sqlx::PgConnection::connect(&base).await.unwrap();
-        sqlx::query(&format!("CREATE SCHEMA \"{schema}\"")).execute(&mut conn).await.unwrap();
+        sqlx::query(&format!("CREATE SCHEMA \"{schema}\""))
+            .execute(&mut conn)
+            .await
+            .unwrap();
     });
     let separator = if base.contains('?') { '&' } else { '?' };
     let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
     let dir = tempfile::tempdir().unwrap();
     let (_server_runtime, provider) = provider_server();
     drain_and_replay(dir.path(), &["--database-url", &url], &provider.base_url);
-    assert!(!dir.path().join("idem.db").exists(), "no SQLite file when PostgreSQL is used");
+    assert!(
+        !dir.path().join("idem.db").exists(),
+        "no SQLite file when PostgreSQL is used"
+    );
     assert_eq!(provider.applied("invoice:42:email:v1"), 1);
     runtime.block_on(async {
         use sqlx::Connection;
         let mut conn = sqlx::PgConnection::connect(&base).await.unwrap();
-        let _ = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE")).execute(&mut conn).await;
+        let _ = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+            .execute(&mut conn)
+            .await;
     });
 }
 
@@ -288,7 +350,11 @@ fn a_dead_database_is_a_clear_runtime_error() {
     let dir = tempfile::tempdir().unwrap();
     let out = idem_in(
         dir.path(),
-        &["--database-url", "postgres://postgres@127.0.0.1:1/none", "stats"],
+        &[
+            "--database-url",
+            "postgres://postgres@127.0.0.1:1/none",
+            "stats",
+        ],
         &[],
     );
     assert_eq!(out.status.code(), Some(3));

@@ -186,3 +186,36 @@ impl Default for GuardConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guard_settings_sit_beside_the_provider_settings() {
+        let config: ProviderConfig = toml::from_str(
+            "kind = \"http\"\nbase_url = \"http://x\"\nconcurrency = 3\nrate_per_second = 5.0\nbreaker_failures = 2\nbreaker_cool_down = \"1s\"\nhmac = { env = \"K\" }\nresult = { header = \"X-Request-Id\" }",
+        )
+        .unwrap();
+        assert_eq!(config.guard.concurrency, 3);
+        assert_eq!(config.guard.breaker_cool_down, Duration::from_secs(1));
+        assert_eq!(config.result.header.as_deref(), Some("X-Request-Id"));
+        let typo = toml::from_str::<ProviderConfig>(
+            "kind = \"http\"\nbase_url = \"http://x\"\nconcurency = 3",
+        );
+        assert!(typo.is_err(), "unknown keys are refused");
+    }
+
+    #[test]
+    fn the_readme_configuration_parses() {
+        let readme = include_str!("../../../README.md");
+        let start = readme
+            .find("```toml\ndatabase_url")
+            .expect("config block in README")
+            + 8;
+        let end = start + readme[start..].find("```").expect("end of block");
+        let config: crate::config::Config = toml::from_str(&readme[start..end]).unwrap();
+        assert_eq!(config.providers.len(), 2);
+        assert_eq!(config.worker.queue_limits["billing"], 2);
+    }
+}
