@@ -265,6 +265,7 @@ impl Worker {
             self.store.clone(),
             job.clone(),
             lease,
+            self.settings.lease,
             lost.clone(),
         ));
         let attempt = tokio::select! {
@@ -357,32 +358,27 @@ impl Worker {
                         format!("no plugin named {:?} is loaded", job.plugin),
                     )));
                 };
-                if self
-                    .store
-                    .job_set_plugin_hash(&fence, &plugin.hash().0)
-                    .await?
-                    == Fence::FencedOut
-                {
-                    return Ok(Attempt::Deferred {
-                        delay: Duration::ZERO,
-                        reason: "fenced_out",
-                    });
-                }
                 let call = tokio::select! {
                     call = self.call_plugin(job, &plugin) => call,
                     // The call stops at its deadline on its own; its result is dropped.
                     _ = abort.cancelled() => return Ok(Attempt::Interrupted),
                 };
-                let plan = match call {
+                // On success the plan write records the plugin version; a
+                // failed call records it on its own for the dead-letter queue.
+                let checked = call.and_then(|plan| {
+                    self.executor
+                        .check_grants(&plan, |p| plugin.manifest.allows(p))
+                        .map(|()| plan)
+                });
+                let plan = match checked {
                     Ok(plan) => plan,
-                    Err(failure) => return Ok(Attempt::Failed(failure)),
+                    Err(failure) => {
+                        self.store
+                            .job_set_plugin_hash(&fence, &plugin.hash().0)
+                            .await?;
+                        return Ok(Attempt::Failed(failure));
+                    }
                 };
-                if let Err(failure) = self
-                    .executor
-                    .check_grants(&plan, |p| plugin.manifest.allows(p))
-                {
-                    return Ok(Attempt::Failed(failure));
-                }
                 let json = serde_json::to_string(&plan)
                     .map_err(|e| StoreError::Invalid(format!("cannot encode the plan: {e}")))?;
                 if self
@@ -396,12 +392,9 @@ impl Worker {
                         reason: "fenced_out",
                     });
                 }
-                // Re-read: a plan stored by an earlier attempt wins over ours.
-                match self.store.job_get(job.id).await?.and_then(|j| j.plan) {
-                    Some(stored) if stored != json => serde_json::from_str(&stored)
-                        .map_err(|e| StoreError::Corrupt(format!("stored plan: {e}")))?,
-                    _ => plan,
-                }
+                // No re-read needed: the job had no plan when we claimed it, and
+                // only the holder of this fence can store one.
+                plan
             }
         };
         Ok(match self.executor.execute(job, &plan, abort).await {
@@ -444,10 +437,17 @@ impl Worker {
 
 /// Extends the lease every third of its length; cancels `lost` when the
 /// fence no longer holds.
-async fn heartbeat(store: Arc<dyn Store>, job: Job, lease: Duration, lost: CancellationToken) {
+async fn heartbeat(
+    store: Arc<dyn Store>,
+    job: Job,
+    lease: Duration,
+    claimed_with: Duration,
+    lost: CancellationToken,
+) {
     let fence = job.fence();
     let every = (lease / 3).max(Duration::from_millis(20));
-    let mut first = true;
+    // The claim set the default lease; a plugin with its own lease gets it at once.
+    let mut first = lease != claimed_with;
     loop {
         if !first {
             tokio::time::sleep(every).await;

@@ -566,7 +566,8 @@ pub trait Store: Send + Sync + 'static {
     async fn job_heartbeat(&self, params: HeartbeatParams) -> Result<Fence>;
 
     /// Stores the effect plan (JSON) and the plugin hash that produced it,
-    /// only if the job has none yet and the fence holds. When a plan already
+    /// only if the job has none yet and the fence holds; records the hash as
+    /// the attempt's plugin version either way. When a plan already
     /// exists (a redelivery) it is kept unchanged and the result is still
     /// [`Fence::Applied`] if the fence holds: read the plan back from the
     /// claimed job.

@@ -575,6 +575,7 @@ impl Store for SqliteStore {
             sql!(
                 "UPDATE jobs SET plan = COALESCE(plan, ?4), \
                      plan_hash = CASE WHEN plan IS NULL THEN ?5 ELSE plan_hash END, \
+                     plugin_hash = ?5, \
                      updated_at = {now} \
                  WHERE {fence}"
             ),
