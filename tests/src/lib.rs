@@ -143,12 +143,18 @@ impl Harness {
         }
     }
 
-    /// Providers `email` and `partner`, both on the provider server.
+    /// Providers `email` and `partner`, both on the provider server (circuit
+    /// breaker effectively off, so tests see every failure).
     pub fn providers(&self) -> Providers {
+        self.providers_with("breaker_failures = 1000")
+    }
+
+    /// The same providers with extra settings (TOML lines) for each.
+    pub fn providers_with(&self, extra: &str) -> Providers {
         let mut configs = BTreeMap::new();
         for (name, kind) in [("email", "email"), ("partner", "http")] {
             let config: ProviderConfig = toml_config(&format!(
-                "kind = \"{kind}\"\nbase_url = \"{}\"\ntimeout = \"{}ms\"\nbreaker_failures = 1000",
+                "kind = \"{kind}\"\nbase_url = \"{}\"\ntimeout = \"{}ms\"\n{extra}",
                 self.provider.base_url,
                 self.provider_timeout.as_millis()
             ));

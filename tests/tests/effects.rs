@@ -375,7 +375,34 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
     assert_eq!(h.provider.requests("invoice:42:email:v1"), 1);
 }
 
+async fn an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.provider.script_faults(
+        "invoice:1:email:v1",
+        vec![Fault::ServerError, Fault::ServerError, Fault::ServerError],
+    );
+    let mut job = invoice(1, "ana@example.com");
+    job.max_attempts = 4;
+    let id = h.store.job_insert(job).await.unwrap().id;
+    let stats = h
+        .drain_with(h.providers_with("breaker_failures = 2\nbreaker_cool_down = \"300ms\""))
+        .await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{:?}", job.errors);
+    assert!(
+        stats.deferred >= 1,
+        "the open circuit deferred the job: {stats:?}"
+    );
+    assert_eq!(
+        h.provider.requests("invoice:1:email:v1"),
+        4,
+        "three failures and the success, no more"
+    );
+    assert_eq!(h.provider.applied("invoice:1:email:v1"), 1);
+}
+
 both_backends!(
+    an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider,
     the_same_invoice_event_delivered_three_times_sends_one_email,
     an_ambiguous_timeout_is_retried_with_the_same_key_and_sends_one_email,
     a_429_is_retried_after_its_retry_after_and_then_succeeds,

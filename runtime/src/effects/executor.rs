@@ -20,6 +20,7 @@ use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// Longest deferral when another worker holds an effect's key.
 pub const DEFER_LEASED: Duration = Duration::from_millis(500);
@@ -132,8 +133,7 @@ impl Executor {
                 return PlanOutcome::Aborted;
             }
             let span = tracing::info_span!("effect", key = %effect.idempotency_key, provider = %effect.provider);
-            let _enter = span.enter();
-            match self.execute_one(job, effect, abort).await {
+            match self.execute_one(job, effect, abort).instrument(span).await {
                 Ok(()) => {}
                 Err(outcome) => return outcome,
             }

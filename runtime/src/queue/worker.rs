@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// Settings of one worker process.
 #[derive(Debug, Clone)]
@@ -248,11 +249,15 @@ impl Worker {
         Ok(self.stats.snapshot())
     }
 
-    /// Runs one claimed job to a recorded outcome.
+    /// Runs one claimed job to a recorded outcome; every log line inside
+    /// carries the job id, its key and its correlation id.
     async fn process(self: Arc<Self>, job: Job, abort: CancellationToken) {
         let span = tracing::info_span!("job", job_id = %job.id, plugin = %job.plugin, correlation_id = %job.correlation_id,
             key = job.idempotency_key.as_deref().unwrap_or(""), attempt = job.attempt);
-        let _enter = span.enter();
+        self.process_in_span(job, abort).instrument(span).await
+    }
+
+    async fn process_in_span(self: Arc<Self>, job: Job, abort: CancellationToken) {
         let started = Instant::now();
         let waited = Duration::from_millis(
             (chrono::Utc::now().timestamp_millis() - job.run_at_ms).max(0) as u64,

@@ -88,3 +88,38 @@ fn check_signature(func: &ItemFn) -> Result<(), syn::Error> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::check_signature;
+
+    fn check(source: &str) -> Result<(), String> {
+        let func: syn::ItemFn = syn::parse_str(source).expect("parses");
+        check_signature(&func).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_accepted_form() {
+        assert!(
+            check("fn handle(job: Job<P>) -> Result<Vec<Effect>, JobError> { todo!() }").is_ok()
+        );
+    }
+
+    #[test]
+    fn each_wrong_form_names_the_attribute_and_the_fix() {
+        for (source, says) in [
+            ("async fn h(job: Job<P>) -> R { todo!() }", "remove `async`"),
+            ("fn h<T>(job: Job<T>) -> R { todo!() }", "cannot be generic"),
+            ("fn h() -> R { todo!() }", "exactly one argument"),
+            ("fn h(a: A, b: B) -> R { todo!() }", "exactly one argument"),
+            (
+                "fn h(job: Job<P>) { }",
+                "return `Result<Vec<idem_sdk::Effect>",
+            ),
+        ] {
+            let error = check(source).expect_err(source);
+            assert!(error.contains("#[idem_sdk::plugin]"), "{error}");
+            assert!(error.contains(says), "{source}: {error}");
+        }
+    }
+}
