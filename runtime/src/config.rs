@@ -70,6 +70,8 @@ pub struct Config {
     pub cache_dir: Option<PathBuf>,
     /// Worker settings.
     pub worker: WorkerConfig,
+    /// Engine-wide sandbox settings.
+    pub sandbox: SandboxSettings,
     /// Retention of finished jobs.
     pub retention: RetentionConfig,
     /// Providers by name.
@@ -83,6 +85,7 @@ impl Default for Config {
             plugins_dir: PathBuf::from("plugins"),
             cache_dir: None,
             worker: WorkerConfig::default(),
+            sandbox: SandboxSettings::default(),
             retention: RetentionConfig::default(),
             providers: BTreeMap::new(),
         }
@@ -130,6 +133,32 @@ impl Default for WorkerConfig {
             backoff_base: Duration::from_secs(5),
             backoff_max: Duration::from_secs(15 * 60),
             redact_dead_payloads: false,
+        }
+    }
+}
+
+/// Engine-wide sandbox settings (`[sandbox]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxSettings {
+    /// Fuel metering, needed for plugins whose manifest sets `fuel` (costs speed).
+    pub fuel: bool,
+    /// Pooling allocator (fast fresh instances).
+    pub pooling: bool,
+    /// Instances alive at once.
+    pub max_instances: u32,
+    /// Largest memory cap any plugin may ask for, in MiB.
+    pub max_memory_mib: u64,
+}
+
+impl Default for SandboxSettings {
+    fn default() -> Self {
+        let engine = crate::sandbox::SandboxConfig::default();
+        SandboxSettings {
+            fuel: engine.fuel,
+            pooling: engine.pooling,
+            max_instances: engine.max_instances,
+            max_memory_mib: (engine.max_memory >> 20) as u64,
         }
     }
 }

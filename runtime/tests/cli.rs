@@ -238,6 +238,19 @@ fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
     ]));
     let bad = run(&["enqueue", "noop", "--payload", "{not json"]);
     assert_eq!(bad.status.code(), Some(2), "malformed payloads are refused");
+    let huge = dir.join("huge.json");
+    std::fs::write(
+        &huge,
+        format!("\"{}\"", "x".repeat(idem::store::MAX_PAYLOAD_BYTES)),
+    )
+    .unwrap();
+    let too_big = run(&["enqueue", "noop", "--payload-file", huge.to_str().unwrap()]);
+    assert_eq!(
+        too_big.status.code(),
+        Some(2),
+        "oversized payloads are refused"
+    );
+    assert!(String::from_utf8_lossy(&too_big.stderr).contains("at most"));
     let bad_key = run(&["enqueue", "noop", "--payload", "{}", "--key", "tab\there"]);
     assert_eq!(bad_key.status.code(), Some(2), "invalid keys are refused");
 

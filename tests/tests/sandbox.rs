@@ -248,6 +248,28 @@ fn a_forbidden_import_is_rejected_at_load_naming_the_import() {
 }
 
 #[test]
+fn limits_beyond_the_host_are_refused_at_load() {
+    let sandbox = Sandbox::new(SandboxConfig {
+        max_memory: 128 << 20,
+        ..SandboxConfig::default()
+    })
+    .unwrap();
+    let wasm = std::fs::read(plugins::NOOP).unwrap();
+    let greedy = idem::sandbox::PluginLimits {
+        memory: 512 << 20,
+        ..Default::default()
+    };
+    let err = sandbox.load("noop", &wasm, greedy).unwrap_err().to_string();
+    assert!(err.contains("max_memory_mib"), "{err}");
+    let fueled = idem::sandbox::PluginLimits {
+        fuel: Some(1000),
+        ..Default::default()
+    };
+    let err = sandbox.load("noop", &wasm, fueled).unwrap_err().to_string();
+    assert!(err.contains("fuel = true"), "{err}");
+}
+
+#[test]
 fn garbage_is_not_a_component() {
     let sandbox = sandbox();
     let err = sandbox

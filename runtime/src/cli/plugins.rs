@@ -15,6 +15,10 @@ pub fn sandbox(config: &Config) -> Result<Arc<Sandbox>, CliError> {
             .cache_dir
             .clone()
             .or_else(crate::sandbox::default_cache_dir),
+        fuel: config.sandbox.fuel,
+        pooling: config.sandbox.pooling,
+        max_instances: config.sandbox.max_instances,
+        max_memory: (config.sandbox.max_memory_mib as usize).saturating_mul(1 << 20),
         ..SandboxConfig::default()
     })
     .map_err(|e| CliError::Runtime(e.into()))?;

@@ -51,8 +51,11 @@ pub struct EnqueueArgs {
     /// Plugin that handles the job.
     pub plugin: String,
     /// Payload (JSON).
-    #[arg(long)]
-    pub payload: String,
+    #[arg(long, required_unless_present = "payload_file")]
+    pub payload: Option<String>,
+    /// Read the payload (JSON) from a file instead.
+    #[arg(long, conflicts_with = "payload")]
+    pub payload_file: Option<std::path::PathBuf>,
     /// The job's idempotency key, unique per plugin (a duplicate returns the existing job).
     #[arg(long)]
     pub key: Option<String>,
@@ -79,8 +82,24 @@ pub async fn enqueue(
     plugins_dir: &Path,
     args: EnqueueArgs,
 ) -> Result<(), CliError> {
-    if let Err(e) = serde_json::from_str::<serde_json::Value>(&args.payload) {
-        return Err(CliError::Usage(format!("--payload is not valid JSON: {e}")));
+    let payload = match (&args.payload, &args.payload_file) {
+        (Some(payload), _) => payload.clone(),
+        (None, Some(path)) => std::fs::read_to_string(path).map_err(|e| {
+            CliError::Usage(format!(
+                "cannot read --payload-file {}: {e}",
+                path.display()
+            ))
+        })?,
+        (None, None) => {
+            return Err(CliError::Usage(
+                "give --payload JSON or --payload-file PATH".into(),
+            ));
+        }
+    };
+    if let Err(e) = serde_json::from_str::<serde_json::Value>(&payload) {
+        return Err(CliError::Usage(format!(
+            "the payload is not valid JSON: {e}"
+        )));
     }
     if let Some(key) = &args.key {
         idem_sdk::key::validate(key).map_err(|e| CliError::Usage(format!("--key: {e}")))?;
@@ -95,7 +114,7 @@ pub async fn enqueue(
         .job_insert(NewJob {
             queue: args.queue,
             plugin: args.plugin,
-            payload: args.payload.into_bytes(),
+            payload: payload.into_bytes(),
             idempotency_key: args.key,
             priority: args.priority,
             delay: args.delay.unwrap_or_default(),

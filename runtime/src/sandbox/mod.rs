@@ -52,6 +52,9 @@ pub enum SandboxError {
     /// Reading the file failed.
     #[error("cannot read: {0}")]
     Io(#[from] std::io::Error),
+    /// The plugin's limits exceed what this host allows.
+    #[error("limits not allowed: {0}")]
+    Limits(String),
 }
 
 /// Result alias of this module.
@@ -197,6 +200,19 @@ impl Sandbox {
     /// Compiles (or loads from the cache) and links a plugin, checking it
     /// against the contract without running it.
     pub fn load(&self, name: &str, wasm: &[u8], limits: PluginLimits) -> Result<CompiledPlugin> {
+        if limits.memory > self.config.max_memory {
+            return Err(SandboxError::Limits(format!(
+                "the plugin asks for {} MiB of memory; this host allows at most {} MiB ([sandbox] max_memory_mib)",
+                limits.memory >> 20,
+                self.config.max_memory >> 20
+            )));
+        }
+        if limits.fuel.is_some() && !self.config.fuel {
+            return Err(SandboxError::Limits(
+                "the plugin sets a fuel budget but fuel metering is off: set `fuel = true` under [sandbox] in idem.toml"
+                    .into(),
+            ));
+        }
         let hash = ContentHash::of(wasm);
         let component = self.component(&hash, wasm)?;
         let pre = self

@@ -206,6 +206,10 @@ pub struct Job {
     pub last_failed_at_ms: Option<i64>,
 }
 
+/// Largest payload accepted at enqueue (1 MiB): a job carries a reference
+/// to large data, not the data.
+pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
+
 /// Errors kept per job.
 pub const ERROR_HISTORY: usize = 10;
 

@@ -1,7 +1,8 @@
 //! What both backends share: input checks, row decoding, small conversions.
 
 use super::{
-    EffectRecord, EffectStatus, ErrorRecord, Job, JobId, JobState, NewJob, Result, StoreError,
+    EffectRecord, EffectStatus, ErrorRecord, Job, JobId, JobState, MAX_PAYLOAD_BYTES, NewJob,
+    Result, StoreError,
 };
 use crate::failure::{Failure, truncate};
 use sha2::{Digest, Sha256};
@@ -36,6 +37,17 @@ pub(crate) fn insertable(job: NewJob) -> Result<Insertable> {
     }
     if job.plugin.is_empty() {
         return Err(StoreError::Invalid("plugin name is empty".into()));
+    }
+    if job.payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(StoreError::Invalid(format!(
+            "payload is {} bytes, at most {MAX_PAYLOAD_BYTES} allowed: store large data elsewhere and enqueue a reference",
+            job.payload.len()
+        )));
+    }
+    if job.queue.len() > 128 || job.plugin.len() > 128 {
+        return Err(StoreError::Invalid(
+            "queue and plugin names are at most 128 bytes".into(),
+        ));
     }
     if job.max_attempts == 0 {
         return Err(StoreError::Invalid(

@@ -133,6 +133,10 @@ pub async fn insert_rejects_invalid_input(store: Arc<dyn Store>) {
             max_attempts: 0,
             ..job("x")
         },
+        NewJob {
+            payload: vec![b' '; idem::store::MAX_PAYLOAD_BYTES + 1],
+            ..job("x")
+        },
         keyed("x", ""),
         keyed("x", &"k".repeat(256)),
         keyed("x", "line\nbreak"),
