@@ -152,6 +152,7 @@ impl Worker {
         let abort_jobs = CancellationToken::new();
         let mut tasks = JoinSet::new();
         let mut store_errors = 0u32;
+        let mut claims = 0u64;
         loop {
             if shutdown.is_cancelled() {
                 break;
@@ -166,7 +167,7 @@ impl Worker {
                     .store
                     .job_claim(ClaimParams {
                         queue: queue.clone(),
-                        worker: self.settings.id.clone(),
+                        worker: claim_owner(&self.settings.id, &mut claims),
                         limit: free as u32,
                         lease: self.settings.lease,
                         queue_concurrency: self.settings.queue_limits.get(queue).copied(),
@@ -438,6 +439,15 @@ impl Worker {
                 ))
             })
     }
+}
+
+/// The lease owner of one claim: the worker id plus a per-claim sequence
+/// number. The fence is (job, owner, attempt) and a replay resets attempts, so
+/// a task of this very process stuck since before a job died and was replayed
+/// must not match the new claim.
+fn claim_owner(worker: &str, claims: &mut u64) -> String {
+    *claims += 1;
+    format!("{worker}#{claims}")
 }
 
 /// Extends the lease every third of its length; cancels `lost` when the
