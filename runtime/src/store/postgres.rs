@@ -187,7 +187,11 @@ impl PostgresStore {
     /// # Ok(()) }
     /// ```
     pub async fn connect(url: &str) -> Result<Self> {
-        Self::open(PgConnectOptions::from_str(url)?).await
+        let options = PgConnectOptions::from_str(url)?;
+        // One direct attempt first: an unreachable server fails at once with
+        // its own error instead of after the pool's acquire timeout.
+        PgConnection::connect_with(&options).await?.close().await?;
+        Self::open(options).await
     }
 
     /// Connects to `schema` (created if missing; every pooled connection gets
