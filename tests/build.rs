@@ -11,8 +11,11 @@ fn main() {
     let root = manifest_dir.parent().expect("workspace root").to_path_buf();
     let plugins_src = root.join("plugins");
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
-    for watched in ["plugins", "sdk", "wit"] {
-        println!("cargo:rerun-if-changed={}", root.join(watched).display());
+    // Relative to this package, not absolute: the build cache is shared by
+    // checkouts at other paths (CI clones), and an absolute path would keep
+    // pointing at the checkout that built it last.
+    for watched in ["../plugins", "../sdk", "../wit", "build.rs"] {
+        println!("cargo:rerun-if-changed={watched}");
     }
 
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());

@@ -88,6 +88,12 @@ fn every_hostile_plugin_gets_its_classified_code_within_its_limit() {
             Duration::from_secs(10),
         ),
         (
+            "hostile_sleep",
+            "plugin_forbidden_call",
+            "retryable",
+            Duration::from_secs(10),
+        ),
+        (
             "send_invoice_email",
             "payload_invalid",
             "permanent",

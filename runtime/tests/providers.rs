@@ -59,11 +59,7 @@ async fn every_outcome_is_classified() {
         .unwrap();
     assert!(ok.result_ref.unwrap().starts_with("msg_"));
     for (fault, class, code) in [
-        (
-            Fault::ServerError,
-            ErrorClass::Retryable,
-            "provider_unavailable",
-        ),
+        (Fault::ServerError, ErrorClass::Ambiguous, "provider_error"),
         (
             Fault::TooManyRequests,
             ErrorClass::Retryable,

@@ -90,51 +90,68 @@ async fn retryable_faults_are_retried_with_backoff_until_attempts_run_out(backen
     assert_eq!(stats.dead, 1);
 }
 
-async fn shutdown_gives_leases_back(backend: Backend) {
+async fn shutdown_records_the_call_in_flight_and_gives_the_lease_back(backend: Backend) {
     let mut h = Harness::with_provider(
         backend,
         ProviderServerConfig {
-            processing_delay: Duration::from_secs(3),
+            processing_delay: Duration::from_secs(2),
             ..ProviderServerConfig::default()
         },
     )
     .await;
     h.provider_timeout = Duration::from_secs(10);
-    let id = h.store.job_insert(invoice(1)).await.unwrap().id;
+    // order_sync's plan: a (slow) webhook, then the child invoice job.
+    let order = NewJob::new(
+        "order_sync",
+        br#"{"order_id": 3, "event_id": "evt_3", "destination": "acme"}"#.to_vec(),
+    );
+    let id = h.store.job_insert(order).await.unwrap().id;
     let mut settings = h.settings("stopping");
     settings.exit_when_drained = false;
     settings.shutdown_grace = Duration::from_millis(100);
     let worker = Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
     let stop = CancellationToken::new();
     let run = tokio::spawn(worker.run(stop.clone()));
-    while h.provider.requests("invoice:1:email:v1") == 0 {
+    while h.provider.requests("webhook:evt_3:acme") == 0 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     stop.cancel();
-    tokio::time::timeout(Duration::from_secs(5), run)
+    tokio::time::timeout(Duration::from_secs(8), run)
         .await
-        .expect("stops quickly")
+        .expect("stops once the call in flight has answered")
         .unwrap()
         .unwrap();
+    // The webhook sent before the stop was answered and recorded ...
+    let webhook = h
+        .store
+        .effect_get("webhook:evt_3:acme")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(webhook.status, idem::store::EffectStatus::Succeeded);
+    assert_eq!(webhook.lease_owner, None);
+    // ... the next effect was not started, and the job's lease was given back.
+    assert!(
+        h.store
+            .effect_get("order:3:invoice")
+            .await
+            .unwrap()
+            .is_none()
+    );
     let job = h.store.job_get(id).await.unwrap().unwrap();
     assert_eq!(job.state, JobState::Available, "the lease was given back");
     assert_eq!(job.lease_owner, None);
     assert_eq!(job.attempt, 1, "attempt kept");
-    let effect = h
-        .store
-        .effect_get("invoice:1:email:v1")
-        .await
-        .unwrap()
-        .unwrap();
+    // Another worker finishes the stored plan; the webhook is not sent again.
+    let stats = h.drain().await;
     assert_eq!(
-        effect.lease_owner, None,
-        "the effect's key was handed back too"
+        h.store.job_get(id).await.unwrap().unwrap().state,
+        JobState::Succeeded
     );
-    // Another worker finishes it; the provider dedupes the interrupted call.
-    h.drain().await;
-    let done = h.store.job_get(id).await.unwrap().unwrap();
-    assert_eq!(done.state, JobState::Succeeded, "{:?}", done.errors);
-    assert_eq!(h.provider.applied("invoice:1:email:v1"), 1);
+    assert_eq!(h.provider.requests("webhook:evt_3:acme"), 1);
+    assert_eq!(h.provider.applied("webhook:evt_3:acme"), 1);
+    assert!(stats.idempotency_hits >= 1);
+    assert_eq!(h.provider.applied("invoice:3:email:v1"), 1);
 }
 
 async fn a_dead_job_replays_and_succeeds_once_the_cause_is_fixed(backend: Backend) {
@@ -204,7 +221,7 @@ async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend:
 both_backends!(
     hostile_plugins_are_recorded_with_their_codes_and_the_worker_keeps_serving,
     retryable_faults_are_retried_with_backoff_until_attempts_run_out,
-    shutdown_gives_leases_back,
+    shutdown_records_the_call_in_flight_and_gives_the_lease_back,
     a_dead_job_replays_and_succeeds_once_the_cause_is_fixed,
     an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out,
 );

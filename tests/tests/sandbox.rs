@@ -209,6 +209,16 @@ fn a_100_mib_string_is_refused_as_output_too_large() {
 }
 
 #[test]
+fn sleeping_is_refused_at_once_instead_of_blocking_past_the_deadline() {
+    let sandbox = sandbox();
+    let (err, took) = failure(&sandbox, plugins::HOSTILE_SLEEP);
+    assert_eq!(err.code, "plugin_forbidden_call", "{err}");
+    assert!(err.message.contains("sleep"), "{err}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert_still_serving(&sandbox);
+}
+
+#[test]
 fn a_panic_is_classified_with_its_message() {
     let sandbox = sandbox();
     let (err, _) = failure(&sandbox, plugins::HOSTILE_PANIC);

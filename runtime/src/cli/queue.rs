@@ -182,6 +182,13 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
         settings.queues = crate::config::parse_queues(queues)
             .map_err(|e| CliError::Usage(format!("--queues: {e}")))?;
     }
+    let concurrency: u64 = settings.queues.values().map(|n| u64::from(*n)).sum();
+    if concurrency > u64::from(config.sandbox.max_instances) {
+        return Err(CliError::Usage(format!(
+            "the queues run {concurrency} jobs at once but the sandbox holds {} instances: lower the queue concurrency or raise [sandbox] max_instances",
+            config.sandbox.max_instances
+        )));
+    }
     tracing::info!(worker = %settings.id, backend = store.backend(), queues = ?settings.queues, "worker starting");
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();

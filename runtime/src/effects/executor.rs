@@ -10,11 +10,12 @@
 use super::{Action, Effect};
 use crate::failure::{ErrorClass, Failure};
 use crate::metrics;
-use crate::providers::{Dedupe, JOBS_PROVIDER, Providers};
+use crate::providers::guard::Permit;
+use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::queue::stats::WorkerStats;
 use crate::store::{
     EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus, Fence, Job,
-    NewJob, Store, StoreError,
+    NewJob, Store, StoreError, retry_transient,
 };
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
@@ -41,8 +42,10 @@ pub enum PlanOutcome {
     },
     /// The store failed; the job's lease will expire and it will be redelivered.
     Store(StoreError),
-    /// Shutdown interrupted the plan; the effect in flight was handed back.
+    /// Stopped (shutdown or lease lost) between effects; nothing is in flight.
     Aborted,
+    /// This effect was done before (internal: the plan goes on).
+    Skipped,
 }
 
 /// What the executor needs.
@@ -134,7 +137,7 @@ impl Executor {
             }
             let span = tracing::info_span!("effect", key = %effect.idempotency_key, provider = %effect.provider);
             match self.execute_one(job, effect, abort).instrument(span).await {
-                Ok(()) => {}
+                Ok(()) | Err(PlanOutcome::Skipped) => {}
                 Err(outcome) => return outcome,
             }
         }
@@ -147,21 +150,66 @@ impl Executor {
         effect: &Effect,
         abort: &CancellationToken,
     ) -> Result<(), PlanOutcome> {
-        let claim = self
-            .store
-            .effect_claim(EffectClaimParams {
-                key: effect.idempotency_key.clone(),
-                job_id: job.id,
-                plugin: job.plugin.clone(),
-                provider: effect.provider.clone(),
-                fingerprint: fingerprint(effect),
-                worker: self.worker.clone(),
-                lease: self.effect_lease,
-            })
+        if effect.provider == JOBS_PROVIDER {
+            let fence = self.claim(job, effect, self.effect_lease).await?;
+            return self.enqueue_child(job, effect, &fence).await;
+        }
+        let Some(provider) = self.providers.get(&effect.provider) else {
+            // A stored plan can outlive the host configuration it was
+            // checked against; nothing is claimed, so a fixed host can replay it.
+            return Err(PlanOutcome::Failed(Failure::permanent(
+                "provider_not_configured",
+                format!(
+                    "no provider named {:?} is configured on this host",
+                    effect.provider
+                ),
+            )));
+        };
+        // The permit comes before the key's lease: waiting for a slot or a
+        // rate token must not eat into the lease that protects the call.
+        let permit = match provider.guard.enter().await {
+            Ok(permit) => permit,
+            Err(open) => {
+                metrics::effect(&effect.provider, "deferred");
+                return Err(PlanOutcome::Deferred {
+                    delay: open.retry_after.unwrap_or(Duration::from_secs(1)),
+                    reason: "circuit_open",
+                });
+            }
+        };
+        if abort.is_cancelled() {
+            return Err(PlanOutcome::Aborted);
+        }
+        // The key's lease must outlast the call, or a second holder could
+        // call the provider while this one still waits for the answer.
+        let lease = self
+            .effect_lease
+            .max(provider.provider.timeout() * 2 + Duration::from_secs(5));
+        let fence = self.claim(job, effect, lease).await?;
+        self.call_provider(effect, &fence, &provider, permit).await
+    }
+
+    /// Claims the effect's key; every outcome but `Claimed` ends this effect.
+    async fn claim(
+        &self,
+        job: &Job,
+        effect: &Effect,
+        lease: Duration,
+    ) -> Result<EffectFence, PlanOutcome> {
+        let params = EffectClaimParams {
+            key: effect.idempotency_key.clone(),
+            job_id: job.id,
+            plugin: job.plugin.clone(),
+            provider: effect.provider.clone(),
+            fingerprint: fingerprint(effect),
+            worker: self.worker.clone(),
+            lease,
+        };
+        let claim = retry_transient(|| self.store.effect_claim(params.clone()))
             .await
             .map_err(PlanOutcome::Store)?;
-        let fence = match claim {
-            EffectClaim::Claimed { fence } => fence,
+        match claim {
+            EffectClaim::Claimed { fence } => Ok(fence),
             EffectClaim::AlreadySucceeded { result_ref } => {
                 tracing::info!(
                     result_ref = result_ref.as_deref().unwrap_or(""),
@@ -169,7 +217,7 @@ impl Executor {
                 );
                 WorkerStats::bump(&self.stats.idempotency_hits);
                 metrics::effect(&effect.provider, "idempotency_hit");
-                return Ok(());
+                Err(PlanOutcome::Skipped)
             }
             EffectClaim::LeasedByOther { lease_until_ms } => {
                 // The holder usually finishes in milliseconds; look again
@@ -181,25 +229,26 @@ impl Executor {
                     remaining.min(DEFER_LEASED) + Duration::from_millis(rand::random_range(0..200));
                 tracing::info!(?wait, "another worker holds this effect: deferring the job");
                 metrics::effect(&effect.provider, "deferred");
-                return Err(PlanOutcome::Deferred {
+                Err(PlanOutcome::Deferred {
                     delay: wait,
                     reason: "effect_leased_by_other",
-                });
+                })
             }
-            EffectClaim::Conflict { .. } => {
-                return Err(PlanOutcome::Failed(Failure::permanent(
-                    "idempotency_key_conflict",
-                    format!(
-                        "the key {:?} was used before for a different request",
-                        effect.idempotency_key
-                    ),
-                )));
-            }
-        };
-        if effect.provider == JOBS_PROVIDER {
-            return self.enqueue_child(job, effect, &fence).await;
+            EffectClaim::Conflict { .. } => Err(PlanOutcome::Failed(Failure::permanent(
+                "idempotency_key_conflict",
+                format!(
+                    "the key {:?} was used before for a different request",
+                    effect.idempotency_key
+                ),
+            ))),
+            EffectClaim::Failed { code } => Err(PlanOutcome::Failed(Failure::permanent(
+                code.clone(),
+                format!(
+                    "the effect {:?} failed permanently before ({code}); replay its job once the cause is fixed",
+                    effect.idempotency_key
+                ),
+            ))),
         }
-        self.call_provider(effect, &fence, abort).await
     }
 
     async fn enqueue_child(
@@ -231,11 +280,10 @@ impl Executor {
             max_attempts: self.child_max_attempts,
             correlation_id: Some(job.correlation_id.clone()),
         };
-        let (written, enqueued) = self
-            .store
-            .effect_succeed_with_child(fence, child)
-            .await
-            .map_err(PlanOutcome::Store)?;
+        let (written, enqueued) =
+            retry_transient(|| self.store.effect_succeed_with_child(fence, child.clone()))
+                .await
+                .map_err(PlanOutcome::Store)?;
         if written == Fence::FencedOut {
             self.fenced_out("child job effect");
         } else {
@@ -250,40 +298,13 @@ impl Executor {
         &self,
         effect: &Effect,
         fence: &EffectFence,
-        abort: &CancellationToken,
+        provider: &GuardedProvider,
+        permit: Permit<'_>,
     ) -> Result<(), PlanOutcome> {
-        let Some(provider) = self.providers.get(&effect.provider) else {
-            let failure = Failure::permanent(
-                "provider_not_configured",
-                format!(
-                    "no provider named {:?} is configured on this host",
-                    effect.provider
-                ),
-            );
-            self.fail(fence, &failure).await?;
-            return Err(PlanOutcome::Failed(failure));
-        };
-        let permit = match provider.guard.enter().await {
-            Ok(permit) => permit,
-            Err(open) => {
-                self.fail(fence, &open).await?;
-                metrics::effect(&effect.provider, "deferred");
-                return Err(PlanOutcome::Deferred {
-                    delay: open.retry_after.unwrap_or(Duration::from_secs(1)),
-                    reason: "circuit_open",
-                });
-            }
-        };
+        // Never cancelled once sent: the provider timeout bounds it, and
+        // dropping it would lose an answer that can still be recorded.
         let started = Instant::now();
-        let result = tokio::select! {
-            result = provider.provider.execute(effect) => result,
-            _ = abort.cancelled() => {
-                drop(permit);
-                let interrupted = Failure::ambiguous("shutdown", "interrupted by shutdown while calling the provider");
-                self.fail(fence, &interrupted).await?;
-                return Err(PlanOutcome::Aborted);
-            }
-        };
+        let result = provider.provider.execute(effect).await;
         let took = started.elapsed();
         metrics::provider_call(
             &effect.provider,
@@ -298,11 +319,12 @@ impl Executor {
                     ?took,
                     "effect carried out"
                 );
-                let written = self
-                    .store
-                    .effect_set_succeeded(fence, delivered.result_ref.as_deref())
-                    .await
-                    .map_err(PlanOutcome::Store)?;
+                let written = retry_transient(|| {
+                    self.store
+                        .effect_set_succeeded(fence, delivered.result_ref.as_deref())
+                })
+                .await
+                .map_err(PlanOutcome::Store)?;
                 if written == Fence::FencedOut {
                     self.fenced_out("effect success");
                 }
@@ -339,13 +361,12 @@ impl Executor {
         } else {
             EffectStatus::Retrying
         };
-        let written = self
-            .store
-            .effect_set_failed(EffectFailParams {
-                fence: fence.clone(),
-                status,
-                error_code: failure.code.clone(),
-            })
+        let params = EffectFailParams {
+            fence: fence.clone(),
+            status,
+            error_code: failure.code.clone(),
+        };
+        let written = retry_transient(|| self.store.effect_set_failed(params.clone()))
             .await
             .map_err(PlanOutcome::Store)?;
         if written == Fence::FencedOut {

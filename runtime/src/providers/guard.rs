@@ -98,10 +98,14 @@ impl Guard {
         }
     }
 
-    /// Waits for a concurrency slot and a rate token, unless the circuit is
-    /// open: then a retryable `circuit_open` failure with the time left.
+    /// Waits for a concurrency slot and a rate token, then asks the circuit:
+    /// when it is open, a retryable `circuit_open` failure with the time left.
+    /// The breaker is consulted last, with no await between its answer and
+    /// the permit, so a dropped waiter can never leave a half-open trial taken.
     pub async fn enter(&self) -> Result<Permit<'_>, Failure> {
-        self.admit()?;
+        if let Some(open) = self.open_for() {
+            return Err(open);
+        }
         let slot =
             self.slots.clone().acquire_owned().await.map_err(|_| {
                 Failure::retryable("provider_closed", "the provider is shutting down")
@@ -113,11 +117,20 @@ impl Guard {
         {
             tokio::time::sleep(wait).await;
         }
+        self.admit()?;
         Ok(Permit {
             guard: self,
             _slot: slot,
             recorded: false,
         })
+    }
+
+    /// A cheap look before queueing for a slot: refuse at once while open.
+    fn open_for(&self) -> Option<Failure> {
+        match *self.breaker.lock().expect("breaker poisoned") {
+            Breaker::Open { until } if Instant::now() < until => Some(open(until - Instant::now())),
+            _ => None,
+        }
     }
 
     fn admit(&self) -> Result<(), Failure> {
@@ -151,8 +164,16 @@ impl Guard {
     fn record(&self, outcome: Result<(), ErrorClass>) {
         let mut breaker = self.breaker.lock().expect("breaker poisoned");
         let failed = matches!(outcome, Err(ErrorClass::Retryable | ErrorClass::Ambiguous));
+        let answered = outcome.is_ok();
         *breaker = match (&*breaker, failed) {
-            (_, false) => Breaker::Closed { failures: 0 },
+            (_, false) if answered => Breaker::Closed { failures: 0 },
+            // A permanent failure says nothing about the upstream's health: it
+            // keeps the failure count as it is, but it ends a half-open trial.
+            (Breaker::HalfOpen { .. }, false) => Breaker::Closed { failures: 0 },
+            (Breaker::Closed { failures }, false) => Breaker::Closed {
+                failures: *failures,
+            },
+            (Breaker::Open { until }, false) => Breaker::Open { until: *until },
             (Breaker::Closed { failures }, true) if failures + 1 < self.config.breaker_failures => {
                 Breaker::Closed {
                     failures: failures + 1,
@@ -219,6 +240,50 @@ mod tests {
         assert!(guard.enter().await.is_err());
         trial.record(Ok(()));
         assert!(guard.enter().await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_waiter_dropped_while_queued_never_takes_the_half_open_trial() {
+        let guard = Guard::new(&GuardConfig {
+            concurrency: 1,
+            ..config(1, 50)
+        });
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Retryable));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let holder = guard.enter().await.unwrap();
+        let queued = tokio::time::timeout(Duration::from_millis(20), guard.enter()).await;
+        assert!(
+            queued.is_err(),
+            "the second caller waits for the slot and is dropped"
+        );
+        holder.record(Err(ErrorClass::Retryable));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(guard.enter().await.is_ok(), "the trial is still available");
+    }
+
+    #[tokio::test]
+    async fn permanent_failures_do_not_reset_the_failure_count() {
+        let guard = Guard::new(&config(2, 1000));
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Retryable));
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Permanent));
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Retryable));
+        assert!(guard.is_open());
     }
 
     #[tokio::test]

@@ -40,6 +40,7 @@ pub struct HttpProvider {
     hmac: Option<(HeaderName, Vec<u8>)>,
     result: ResultRef,
     dedupe: Dedupe,
+    timeout: Duration,
 }
 
 impl HttpProvider {
@@ -49,6 +50,9 @@ impl HttpProvider {
             .timeout(config.timeout)
             .connect_timeout(config.timeout.min(Duration::from_secs(5)))
             .user_agent(concat!("idem/", env!("CARGO_PKG_VERSION")))
+            // A redirect would carry the key, auth and signature elsewhere
+            // and turn a POST into a GET: refuse it instead.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| format!("cannot build an HTTP client: {e}"))?;
         let auth = match &config.auth {
@@ -86,6 +90,7 @@ impl HttpProvider {
             auth,
             hmac,
             result: config.result.clone(),
+            timeout: config.timeout,
             dedupe: if config.dedupes {
                 Dedupe::Native {
                     window: config.dedupe_window,
@@ -187,7 +192,12 @@ impl HttpProvider {
                 format!("path {path:?} must start with '/'"),
             ));
         }
-        if path.contains("://") || path.contains("..") {
+        let lowered = path.to_ascii_lowercase();
+        if path.contains("://")
+            || path.contains("..")
+            || lowered.contains("%2e")
+            || path.contains('\\')
+        {
             return Err(Failure::permanent(
                 "invalid_effect",
                 format!("path {path:?} leaves the provider's base URL"),
@@ -243,6 +253,10 @@ impl Provider for HttpProvider {
         self.dedupe
     }
 
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure> {
         let (method, url, headers, body) = self.request(effect)?;
         let response = self
@@ -274,9 +288,18 @@ impl Provider for HttpProvider {
             ),
             408 => Failure::retryable("provider_timeout", "the provider answered 408"),
             429 => Failure::retryable("provider_rate_limited", "the provider answered 429"),
-            500..=599 => Failure::retryable(
+            503 => Failure::retryable(
                 "provider_unavailable",
                 format!("the provider answered {status}"),
+            ),
+            // 500, 502 and 504 may come after the upstream did the work.
+            500..=599 => Failure::ambiguous(
+                "provider_error",
+                format!("the provider answered {status}; the request may have taken effect"),
+            ),
+            300..=399 => Failure::permanent(
+                "provider_redirected",
+                format!("the provider answered {status}; redirects are not followed"),
             ),
             _ => Failure::permanent(
                 code.clone().unwrap_or_else(|| "provider_rejected".into()),

@@ -63,6 +63,11 @@ pub trait Provider: Send + Sync {
 
     /// Carries one effect out, sending its idempotency key.
     async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure>;
+
+    /// The longest one call may take (the key's lease is sized from it).
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(30)
+    }
 }
 
 /// A configured provider with its retry-storm guard.

@@ -5,6 +5,9 @@
 use rand::Rng;
 use std::time::Duration;
 
+/// The longest `Retry-After` honoured (unless `max` is longer).
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
 /// Backoff settings (defaults: base 5 s, max 15 min).
 ///
 /// ```
@@ -41,9 +44,8 @@ impl Backoff {
             .min(self.max)
     }
 
-    /// A full-jitter delay for the retry after `attempt`, never below
-    /// `retry_after` (when given) and never above `max` unless `retry_after`
-    /// asks for more.
+    /// A full-jitter delay for the retry after `attempt`: at least
+    /// `retry_after` (when given, up to [`MAX_RETRY_AFTER`]), otherwise never above `max`.
     pub fn delay(
         &self,
         attempt: u32,
@@ -56,8 +58,10 @@ impl Backoff {
         } else {
             Duration::from_nanos(rng.random_range(0..=cap.as_nanos().min(u64::MAX as u128) as u64))
         };
+        // A larger retry-after wins, up to an hour: a provider or plugin
+        // asking for a year must not park a job beyond every alert.
         match retry_after {
-            Some(after) if after > jittered => after,
+            Some(after) if after > jittered => after.min(MAX_RETRY_AFTER.max(self.max)),
             _ => jittered,
         }
     }
@@ -107,6 +111,11 @@ mod tests {
         assert_eq!(
             b.delay(2, Some(Duration::from_secs(30)), &mut rng),
             Duration::from_secs(30)
+        );
+        assert_eq!(
+            b.delay(2, Some(Duration::from_secs(365 * 86400)), &mut rng),
+            MAX_RETRY_AFTER,
+            "a year is capped"
         );
         assert!(b.delay(2, Some(Duration::ZERO), &mut rng) <= b.cap(2));
     }

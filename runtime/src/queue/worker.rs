@@ -266,24 +266,18 @@ impl Worker {
         metrics::job_claimed(&job.queue, &job.plugin, waited);
         let plugin = self.registry.get(&job.plugin);
         let lease = self.lease_for(plugin.as_deref());
-        let lost = CancellationToken::new();
-        let heartbeat = tokio::spawn(heartbeat(
+        // One token stops the attempt between steps: shutdown (via `abort`)
+        // or a lost lease (cancelled by the heartbeat). A provider call in
+        // flight always finishes, so its answer is recorded under the key.
+        let stop = abort.child_token();
+        let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
             self.store.clone(),
             job.clone(),
             lease,
             self.settings.lease,
-            lost.clone(),
-        ));
-        let attempt = tokio::select! {
-            attempt = self.attempt(&job, plugin, &abort) => attempt,
-            _ = lost.cancelled() => {
-                tracing::warn!("lease lost while running: abandoning this attempt");
-                WorkerStats::bump(&self.stats.fenced_out);
-                heartbeat.abort();
-                return;
-            }
-        };
-        heartbeat.abort();
+            stop.clone(),
+        )));
+        let attempt = self.attempt(&job, plugin, &stop).await;
         let attempt = match attempt {
             Ok(attempt) => attempt,
             Err(error) => {
@@ -371,6 +365,15 @@ impl Worker {
                 };
                 // On success the plan write records the plugin version; a
                 // failed call records it on its own for the dead-letter queue.
+                if let Err(failure) = &call
+                    && failure.code == crate::sandbox::SANDBOX_UNAVAILABLE
+                {
+                    tracing::warn!(message = %failure.message, "no sandbox instance available: deferring");
+                    return Ok(Attempt::Deferred {
+                        delay: self.settings.poll_interval,
+                        reason: "sandbox_unavailable",
+                    });
+                }
                 let checked = call.and_then(|plan| {
                     self.executor
                         .check_grants(&plan, |p| plugin.manifest.allows(p))
@@ -404,7 +407,7 @@ impl Worker {
             }
         };
         Ok(match self.executor.execute(job, &plan, abort).await {
-            PlanOutcome::Done => Attempt::Succeeded,
+            PlanOutcome::Done | PlanOutcome::Skipped => Attempt::Succeeded,
             PlanOutcome::Failed(failure) => Attempt::Failed(failure),
             PlanOutcome::Deferred { delay, reason } => Attempt::Deferred { delay, reason },
             PlanOutcome::Store(error) => return Err(error),
@@ -438,6 +441,16 @@ impl Worker {
                     format!("the sandbox thread failed: {e}"),
                 ))
             })
+    }
+}
+
+/// Aborts a spawned task when dropped, so a heartbeat never outlives its
+/// job (an aborted or panicked job task would otherwise keep its lease alive).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -477,6 +490,7 @@ async fn heartbeat(
         {
             Ok(Fence::Applied) => {}
             Ok(Fence::FencedOut) => {
+                tracing::warn!("lease lost while running: stopping after the current step");
                 lost.cancel();
                 return;
             }

@@ -233,3 +233,36 @@ impl Pollable for CapturedOutput {
 }
 
 impl super::bindings::idem::plugin::types::Host for GuestState {}
+
+/// The WASI version whose clock functions are replaced.
+const MONOTONIC_CLOCK: &str = "wasi:clocks/monotonic-clock@0.2.12";
+
+/// Raised (as a trap) when a plugin tries to wait on a clock: the host would
+/// block inside WASI, where epoch deadlines cannot reach, so waiting is refused.
+#[derive(Debug, thiserror::Error)]
+#[error("the plugin tried to sleep or wait on a clock ({0}); plugins decide, they do not wait")]
+pub struct ForbiddenCall(pub &'static str);
+
+/// Replaces `subscribe-duration` and `subscribe-instant` with functions that
+/// trap, so `std::thread::sleep` in a plugin ends the call at once instead of
+/// blocking a host thread past every deadline.
+pub fn forbid_sleeping(linker: &mut wasmtime::component::Linker<GuestState>) -> Result<()> {
+    use wasmtime::component::Resource;
+    use wasmtime_wasi::p2::DynPollable;
+    linker.allow_shadowing(true);
+    let mut clock = linker.instance(MONOTONIC_CLOCK)?;
+    clock.func_wrap(
+        "subscribe-duration",
+        |_, (_,): (u64,)| -> Result<(Resource<DynPollable>,)> {
+            Err(wasmtime::Error::new(ForbiddenCall("subscribe-duration")))
+        },
+    )?;
+    clock.func_wrap(
+        "subscribe-instant",
+        |_, (_,): (u64,)| -> Result<(Resource<DynPollable>,)> {
+            Err(wasmtime::Error::new(ForbiddenCall("subscribe-instant")))
+        },
+    )?;
+    linker.allow_shadowing(false);
+    Ok(())
+}

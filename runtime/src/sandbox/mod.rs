@@ -181,6 +181,7 @@ impl Sandbox {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
+        guest::forbid_sleeping(&mut linker).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         JobPlugin::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)
             .map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         let ticker = engine::EpochTicker::start(engine.clone(), config.epoch_tick);
@@ -265,10 +266,21 @@ impl Sandbox {
             correlation_id: job.correlation_id.clone(),
             enqueued_at_ms: job.enqueued_at_ms,
         };
-        let outcome = plugin
-            .pre
-            .instantiate(&mut store)
-            .and_then(|instance| instance.call_handle(&mut store, &input));
+        let instance = match plugin.pre.instantiate(&mut store) {
+            Ok(instance) => instance,
+            Err(error) if classify::is_guest_fault(&error) => {
+                return Err(classify::trap(&error, limits, &store.data().stderr.text()));
+            }
+            Err(error) => {
+                // Not the plugin's doing (the instance pool is full, the host
+                // is out of memory): the job is deferred, not charged.
+                return Err(Failure::retryable(
+                    SANDBOX_UNAVAILABLE,
+                    format!("cannot instantiate the plugin: {error:#}"),
+                ));
+            }
+        };
+        let outcome = instance.call_handle(&mut store, &input);
         let state = store.data();
         state.flush_output();
         let returned = match outcome {
@@ -300,6 +312,10 @@ mod humantime_serde_compat {
         humantime::parse_duration(&text).map_err(serde::de::Error::custom)
     }
 }
+
+/// Code of a failure that is the host's, not the plugin's (no instance
+/// could be made): the worker defers the job without using an attempt.
+pub const SANDBOX_UNAVAILABLE: &str = "sandbox_unavailable";
 
 /// Where precompiled components are cached by default.
 pub fn default_cache_dir() -> Option<PathBuf> {

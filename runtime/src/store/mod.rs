@@ -451,6 +451,12 @@ pub enum EffectClaim {
         /// When that lease ends, ms.
         lease_until_ms: i64,
     },
+    /// The effect failed permanently before: not tried again until a replay
+    /// of a job carrying it resets it.
+    Failed {
+        /// The stored error code.
+        code: String,
+    },
     /// The key was used before for a different action.
     Conflict {
         /// The stored fingerprint.
@@ -600,7 +606,8 @@ pub trait Store: Send + Sync + 'static {
     /// with code `lease_expired` when no attempt is left); counts a rescue.
     async fn job_rescue_expired(&self, limit: u32) -> Result<Vec<JobId>>;
 
-    /// Brings dead jobs back: `available`, attempts reset, keys and plan kept.
+    /// Brings dead jobs back: `available`, attempts reset, keys and plan kept;
+    /// effects of their plans that failed permanently become claimable again.
     async fn job_replay(&self, ids: &[JobId]) -> Result<u64>;
 
     /// Cancels a job that is not running or finished.
@@ -649,6 +656,34 @@ pub trait Store: Send + Sync + 'static {
 
     /// Ledger rows of a job's plan.
     async fn effect_list(&self, job_id: JobId) -> Result<Vec<EffectRecord>>;
+}
+
+/// Runs a store call again (up to 3 times, 50 ms apart and growing) while it
+/// fails transiently: a lost connection or a busy SQLite file must not leave
+/// a provider's answer unrecorded.
+///
+/// ```no_run
+/// # async fn demo(store: &dyn idem::store::Store, id: idem::store::JobId) -> idem::store::Result<()> {
+/// let job = idem::store::retry_transient(|| store.job_get(id)).await?;
+/// # Ok(()) }
+/// ```
+pub async fn retry_transient<T, F, Fut>(mut call: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut pause = Duration::from_millis(50);
+    for _ in 0..3 {
+        match call().await {
+            Err(error) if error.is_transient() => {
+                tracing::warn!(%error, ?pause, "transient store error; trying again");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+    call().await
 }
 
 /// Connects to a store by URL and applies migrations: `sqlite://PATH`

@@ -800,14 +800,35 @@ impl Store for PostgresStore {
         if ids.is_empty() {
             return Ok(0);
         }
+        // Effects of the replayed plans that failed permanently may be tried
+        // again: the operator fixed the cause. Their keys stay the same.
+        let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
+        let mut tx = self.pool.begin().await?;
+        let plans: Vec<Option<String>> = sqlx::query_scalar(
+            "SELECT plan FROM jobs WHERE state = 'dead' AND id = ANY($1) FOR UPDATE",
+        )
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await?;
+        let keys = shared::plan_keys(plans.iter().flatten());
+        if !keys.is_empty() {
+            sqlx::query(sql!(
+                "UPDATE effects SET status = 'retrying', updated_at = {now} \
+                 WHERE status = 'failed' AND key = ANY($1)"
+            ))
+            .bind(&keys)
+            .execute(&mut *tx)
+            .await?;
+        }
         let result = sqlx::query(sql!(
             "UPDATE jobs SET state = 'available', attempt = 0, run_at = {now}, finished_at = NULL, \
                  lease_owner = NULL, lease_until = NULL, updated_at = {now} \
              WHERE state = 'dead' AND id = ANY($1)"
         ))
-        .bind(ids.iter().map(|id| id.0).collect::<Vec<_>>())
-        .execute(&self.pool)
+        .bind(&ids)
+        .execute(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(result.rows_affected())
     }
 
@@ -963,7 +984,7 @@ impl Store for PostgresStore {
             let updated: Option<i64> = sqlx::query_scalar(sql!(
                 "UPDATE effects SET status = 'processing', attempt = attempt + 1, lease_owner = $2, \
                      lease_until = {now} + $3, updated_at = {now} \
-                 WHERE key = $1 AND fingerprint = $4 AND status <> 'succeeded' \
+                 WHERE key = $1 AND fingerprint = $4 AND status NOT IN ('succeeded', 'failed') \
                    AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now}) \
                  RETURNING attempt"
             ))
@@ -977,7 +998,7 @@ impl Store for PostgresStore {
                 return claimed(attempt);
             }
             let row = sqlx::query(sql!(
-                "SELECT fingerprint, status, lease_until, result_ref, {now} AS now \
+                "SELECT fingerprint, status, lease_until, result_ref, last_error_code, {now} AS now \
                  FROM effects WHERE key = $1"
             ))
             .bind(&params.key)

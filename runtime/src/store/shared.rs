@@ -295,6 +295,12 @@ where
         (EffectStatus::Succeeded, _) => Some(EffectClaim::AlreadySucceeded {
             result_ref: get(row, "result_ref")?,
         }),
+        (EffectStatus::Failed, _) => {
+            let code: Option<String> = get(row, "last_error_code")?;
+            Some(EffectClaim::Failed {
+                code: code.unwrap_or_else(|| "effect_failed".into()),
+            })
+        }
         (EffectStatus::Processing, Some(until)) if until >= now => {
             Some(EffectClaim::LeasedByOther {
                 lease_until_ms: until,
@@ -302,4 +308,18 @@ where
         }
         _ => None,
     })
+}
+
+/// The idempotency keys of stored plans (unreadable plans are skipped: they
+/// name no effect that could have run).
+pub(crate) fn plan_keys<'a>(plans: impl Iterator<Item = &'a String>) -> Vec<String> {
+    #[derive(serde::Deserialize)]
+    struct Keyed {
+        idempotency_key: String,
+    }
+    plans
+        .filter_map(|plan| serde_json::from_str::<Vec<Keyed>>(plan).ok())
+        .flatten()
+        .map(|effect| effect.idempotency_key)
+        .collect()
 }

@@ -285,7 +285,36 @@ pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
         store.effect_get("k").await.unwrap().unwrap().status,
         EffectStatus::Failed
     );
-    // Failed: the job went to the dead-letter queue; a replay claims it again.
+    // Failed: no job claims it again (a second job with the same key fails
+    // the same way) until the dead job carrying it is replayed.
+    assert_eq!(
+        store.effect_claim(claim("k", "c", LONG)).await.unwrap(),
+        EffectClaim::Failed {
+            code: "invalid_recipient".into()
+        }
+    );
+    let id = store.job_insert(job("p")).await.unwrap().id;
+    let carrier = claim_one(&store, "w", LONG).await;
+    assert_eq!(carrier.id, id);
+    let plan =
+        r#"[{"provider":"email","idempotency_key":"k","action":{"type":"custom","body":""}}]"#;
+    store
+        .job_save_plan(&carrier.fence(), plan, "h")
+        .await
+        .unwrap();
+    store
+        .job_set_dead(idem::store::DeadParams {
+            fence: carrier.fence(),
+            error: error(1, "permanent", "invalid_recipient"),
+            redact_payload: false,
+        })
+        .await
+        .unwrap();
+    assert_eq!(store.job_replay(&[id]).await.unwrap(), 1);
+    assert_eq!(
+        store.effect_get("k").await.unwrap().unwrap().status,
+        EffectStatus::Retrying
+    );
     let third = claimed(&store, claim("k", "c", LONG)).await;
     assert_eq!(third.attempt, 3);
     assert_eq!(
