@@ -263,25 +263,12 @@ async fn the_order_flow_delivered_twice_sends_one_webhook_and_enqueues_one_invoi
 
 async fn a_plugin_upgrade_between_attempts_still_executes_the_stored_plan(backend: Backend) {
     let h = Harness::new(backend).await;
+    // The first attempt stores the plan, then the webhook is refused: the job
+    // is dead-lettered with its plan (and the effect marked failed).
     h.provider
-        .script_faults("webhook:evt_9:acme", vec![Fault::ServerError]);
+        .script_faults("webhook:evt_9:acme", vec![Fault::BadRequest]);
     let id = h.store.job_insert(order(9, "evt_9")).await.unwrap().id;
-    // First attempt only: the webhook fails after the plan was stored.
-    let mut settings = h.settings("first");
-    settings.exit_when_drained = false;
-    let worker =
-        idem::queue::Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
-    let stop = tokio_util::sync::CancellationToken::new();
-    let run = tokio::spawn(worker.clone().run(stop.clone()));
-    loop {
-        let job = h.store.job_get(id).await.unwrap().unwrap();
-        if job.state != JobState::Running && job.attempt == 1 && job.last_error_code.is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    stop.cancel();
-    run.await.unwrap().unwrap();
+    h.drain().await;
     let stored = h.store.job_get(id).await.unwrap().unwrap();
     assert!(stored.plan.is_some());
     // Upgrade: order_sync now returns nothing at all.
@@ -291,6 +278,8 @@ async fn a_plugin_upgrade_between_attempts_still_executes_the_stored_plan(backen
         h.registry.get("order_sync").unwrap().hash().0,
         stored.plan_hash.clone().unwrap()
     );
+    assert_eq!(stored.state, JobState::Dead);
+    assert_eq!(h.store.job_replay(&[id]).await.unwrap(), 1);
     let stats = h.drain().await;
     assert_eq!(
         stats.plugin_calls, 1,
