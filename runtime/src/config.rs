@@ -173,6 +173,10 @@ pub struct RetentionConfig {
     /// Keep dead jobs this long.
     #[serde(with = "humantime_serde")]
     pub dead: Duration,
+    /// Keep finished effect-ledger rows this long (longer than any duplicate
+    /// delivery can arrive: a pruned key can be carried out again).
+    #[serde(with = "humantime_serde")]
+    pub effects: Duration,
     /// How often the pruner runs.
     #[serde(with = "humantime_serde")]
     pub interval: Duration,
@@ -183,6 +187,7 @@ impl Default for RetentionConfig {
         RetentionConfig {
             succeeded: Duration::from_secs(24 * 3600),
             dead: Duration::from_secs(30 * 24 * 3600),
+            effects: Duration::from_secs(30 * 24 * 3600),
             interval: Duration::from_secs(60),
         }
     }
@@ -257,6 +262,7 @@ impl Config {
             ("IDEM_SHUTDOWN_GRACE", &mut self.worker.shutdown_grace),
             ("IDEM_RETENTION_SUCCEEDED", &mut self.retention.succeeded),
             ("IDEM_RETENTION_DEAD", &mut self.retention.dead),
+            ("IDEM_RETENTION_EFFECTS", &mut self.retention.effects),
         ] {
             if let Some(text) = get(var) {
                 *slot = duration(var, text)?;

@@ -12,13 +12,22 @@ use tokio_util::sync::CancellationToken;
 /// Rows handled per round.
 pub const BATCH: u32 = 500;
 
-/// Rescues expired leases once; returns how many jobs were rescued.
-pub async fn rescue_once(store: &dyn Store, stats: &WorkerStats) -> Result<u64, StoreError> {
+/// Rescues expired leases once; returns how many jobs were rescued. Jobs
+/// that had no attempt left are dead-lettered by the rescue; with
+/// `redact_dead` their payloads are redacted as the worker's would be.
+pub async fn rescue_once(
+    store: &dyn Store,
+    stats: &WorkerStats,
+    redact_dead: bool,
+) -> Result<u64, StoreError> {
     let mut total = 0;
     loop {
         let rescued = store.job_rescue_expired(BATCH).await?;
         if !rescued.is_empty() {
             tracing::warn!(jobs = ?rescued, "leases expired: jobs returned for redelivery");
+            if redact_dead {
+                store.job_redact_payloads(&rescued).await?;
+            }
         }
         total += rescued.len() as u64;
         if (rescued.len() as u32) < BATCH {
@@ -34,20 +43,28 @@ pub async fn rescue_once(store: &dyn Store, stats: &WorkerStats) -> Result<u64, 
     Ok(total)
 }
 
-/// Prunes finished jobs once; returns rows deleted.
+/// Prunes finished jobs and old effect-ledger rows once; returns rows deleted.
 pub async fn prune_once(
     store: &dyn Store,
-    succeeded: Duration,
-    dead: Duration,
+    retention: &crate::config::RetentionConfig,
 ) -> Result<u64, StoreError> {
     let mut total = 0;
     loop {
         let deleted = store
             .job_delete_finished(PruneParams {
-                succeeded_older_than: succeeded,
-                dead_older_than: dead,
+                succeeded_older_than: retention.succeeded,
+                dead_older_than: retention.dead,
                 limit: BATCH,
             })
+            .await?;
+        total += deleted;
+        if deleted < BATCH as u64 {
+            break;
+        }
+    }
+    loop {
+        let deleted = store
+            .effect_delete_finished(retention.effects, BATCH)
             .await?;
         total += deleted;
         if deleted < BATCH as u64 {
@@ -100,13 +117,14 @@ pub fn spawn_all(
     rescue_every: Duration,
     retention: crate::config::RetentionConfig,
     queues: Vec<String>,
+    redact_dead: bool,
     stop: CancellationToken,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let (s1, s2, s3) = (store.clone(), store.clone(), store);
     vec![
         tokio::spawn(every("rescuer", rescue_every, stop.clone(), move || {
             let (store, stats) = (s1.clone(), stats.clone());
-            async move { rescue_once(&*store, &stats).await.map(|_| ()) }
+            async move { rescue_once(&*store, &stats, redact_dead).await.map(|_| ()) }
         })),
         tokio::spawn(every(
             "pruner",
@@ -116,7 +134,7 @@ pub fn spawn_all(
                 let store = s2.clone();
                 let retention = retention.clone();
                 async move {
-                    let deleted = prune_once(&*store, retention.succeeded, retention.dead).await?;
+                    let deleted = prune_once(&*store, &retention).await?;
                     if deleted > 0 {
                         tracing::info!(deleted, "pruned finished jobs past retention");
                     }

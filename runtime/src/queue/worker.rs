@@ -141,6 +141,7 @@ impl Worker {
             (self.settings.lease / 2).clamp(Duration::from_millis(50), Duration::from_secs(30)),
             self.settings.retention.clone(),
             self.settings.queues.keys().cloned().collect(),
+            self.settings.redact_dead_payloads,
             background.clone(),
         );
         let slots: Vec<(String, Arc<Semaphore>)> = self

@@ -617,6 +617,16 @@ pub trait Store: Send + Sync + 'static {
     /// node prunes at a time (advisory lock); returns rows deleted.
     async fn job_delete_finished(&self, params: PruneParams) -> Result<u64>;
 
+    /// Replaces the payloads of these jobs that are dead by a reference
+    /// (`{"redacted":true,"sha256":..}`), unless already redacted; for jobs
+    /// dead-lettered outside the worker (a rescue with no attempt left).
+    async fn job_redact_payloads(&self, ids: &[JobId]) -> Result<u64>;
+
+    /// Deletes ledger rows that finished (not `processing`) longer ago than
+    /// `older_than`, at most `limit`. Keep them longer than any duplicate
+    /// delivery can arrive: a pruned key can be carried out again.
+    async fn effect_delete_finished(&self, older_than: Duration, limit: u32) -> Result<u64>;
+
     /// Counts per state and readiness, optionally for one queue.
     async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats>;
 

@@ -877,6 +877,47 @@ impl Store for PostgresStore {
         Ok(result.rows_affected())
     }
 
+    async fn job_redact_payloads(&self, ids: &[JobId]) -> Result<u64> {
+        let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
+        let rows =
+            sqlx::query("SELECT id, payload FROM jobs WHERE state = 'dead' AND id = ANY($1)")
+                .bind(&ids)
+                .fetch_all(&self.pool)
+                .await?;
+        let mut redacted = 0;
+        for row in rows {
+            let id: i64 = row.try_get("id")?;
+            let payload: Vec<u8> = row.try_get("payload")?;
+            if shared::is_redacted(&payload) {
+                continue;
+            }
+            redacted += sqlx::query(sql!(
+                "UPDATE jobs SET payload = $2, updated_at = {now} WHERE id = $1 AND state = 'dead'"
+            ))
+            .bind(id)
+            .bind(shared::redacted_payload(&payload))
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        }
+        Ok(redacted)
+    }
+
+    async fn effect_delete_finished(&self, older_than: Duration, limit: u32) -> Result<u64> {
+        let result = sqlx::query(sql!(
+            "DELETE FROM effects WHERE key IN (\
+                 SELECT key FROM effects \
+                 WHERE status <> 'processing' AND updated_at < {now} - $1 \
+                 ORDER BY updated_at LIMIT $2 \
+                 FOR UPDATE SKIP LOCKED)"
+        ))
+        .bind(shared::millis(older_than))
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await?;
+        Ok(result.rows_affected())
+    }
+
     async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats> {
         let (counts, ready) = match queue {
             Some(queue) => {

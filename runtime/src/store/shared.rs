@@ -91,6 +91,11 @@ pub(crate) fn error_json(error: &ErrorRecord) -> Result<(String, String, String)
     Ok((json, record.code, record.message))
 }
 
+/// Whether a payload is already a redaction reference.
+pub(crate) fn is_redacted(payload: &[u8]) -> bool {
+    payload.starts_with(br#"{"redacted":true"#)
+}
+
 /// The reference that replaces a redacted payload.
 pub(crate) fn redacted_payload(original: &[u8]) -> Vec<u8> {
     let digest = hex::encode(Sha256::digest(original));

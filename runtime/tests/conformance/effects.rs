@@ -479,3 +479,26 @@ pub async fn effect_list_by_job(store: Arc<dyn Store>) {
     assert_eq!(store.effect_list(JobId(11)).await.unwrap().len(), 1);
     assert!(store.effect_list(JobId(12)).await.unwrap().is_empty());
 }
+
+pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>) {
+    let done = claimed(&store, claim("old-done", "a", LONG)).await;
+    store.effect_set_succeeded(&done, Some("r")).await.unwrap();
+    claimed(&store, claim("old-in-flight", "a", LONG)).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let recent = claimed(&store, claim("recent", "a", LONG)).await;
+    store.effect_set_succeeded(&recent, None).await.unwrap();
+    // Older than 40 ms: only the finished old row goes.
+    let cutoff = Duration::from_millis(40);
+    assert_eq!(store.effect_delete_finished(cutoff, 100).await.unwrap(), 1);
+    assert!(store.effect_get("old-done").await.unwrap().is_none());
+    assert!(
+        store.effect_get("old-in-flight").await.unwrap().is_some(),
+        "in flight: never pruned"
+    );
+    assert!(store.effect_get("recent").await.unwrap().is_some());
+    assert_eq!(
+        store.effect_delete_finished(cutoff, 0).await.unwrap(),
+        0,
+        "limit respected"
+    );
+}

@@ -184,6 +184,28 @@ pub async fn rescue_without_attempts_left_is_dead(store: Arc<dyn Store>) {
     let again = get(&store, other).await;
     assert_eq!(again.state, JobState::Available, "an attempt is left");
     assert!(again.errors.is_empty());
+
+    // Redaction after the fact: only dead jobs, only once.
+    let original = dead.payload.clone();
+    assert_eq!(store.job_redact_payloads(&[id, other]).await.unwrap(), 1);
+    let redacted = get(&store, id).await.payload;
+    assert_ne!(redacted, original);
+    assert!(
+        String::from_utf8(redacted.clone())
+            .unwrap()
+            .contains("\"redacted\":true")
+    );
+    assert_eq!(
+        get(&store, other).await.payload,
+        again.payload,
+        "a live job keeps its payload"
+    );
+    assert_eq!(
+        store.job_redact_payloads(&[id]).await.unwrap(),
+        0,
+        "already redacted"
+    );
+    assert_eq!(get(&store, id).await.payload, redacted);
 }
 
 pub async fn retrying_not_claimable_before_run_at(store: Arc<dyn Store>) {

@@ -110,6 +110,7 @@ macro_rules! conformance_suite {
             effects::effect_child_fenced_out,
             effects::effect_child_existing_key,
             effects::effect_list_by_job,
+            effects::effect_prune_keeps_recent_and_in_flight_rows,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
