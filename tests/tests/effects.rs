@@ -392,7 +392,34 @@ async fn an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider(backe
     assert_eq!(h.provider.applied("invoice:1:email:v1"), 1);
 }
 
+async fn a_replay_with_a_discarded_plan_asks_the_fixed_plugin_again(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.provider
+        .script_faults("webhook:evt_5:acme", vec![Fault::BadRequest]);
+    let id = h.store.job_insert(order(5, "evt_5")).await.unwrap().id;
+    h.drain().await;
+    assert_eq!(
+        h.store.job_get(id).await.unwrap().unwrap().state,
+        JobState::Dead
+    );
+    // "Fixed" plugin: this order needs no effects after all.
+    std::fs::copy(plugins::NOOP, h.plugins_dir.path().join("order_sync.wasm")).unwrap();
+    h.registry.refresh();
+    assert!(h.store.job_discard_plan(id).await.unwrap());
+    h.store.job_replay(&[id]).await.unwrap();
+    let stats = h.drain().await;
+    assert_eq!(
+        stats.plugin_calls, 1,
+        "the new plugin version made a new plan"
+    );
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!(job.plan.as_deref(), Some("[]"));
+    assert_eq!(h.provider.applied("webhook:evt_5:acme"), 0);
+}
+
 both_backends!(
+    a_replay_with_a_discarded_plan_asks_the_fixed_plugin_again,
     an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider,
     the_same_invoice_event_delivered_three_times_sends_one_email,
     an_ambiguous_timeout_is_retried_with_the_same_key_and_sends_one_email,

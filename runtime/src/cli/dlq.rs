@@ -43,6 +43,10 @@ pub enum DlqCommand {
         /// Most jobs replayed per second, e.g. `10/s`.
         #[arg(long, default_value = "10/s")]
         rate: String,
+        /// Drop each job's stored plan so the (fixed) plugin makes a new one;
+        /// refused for a job any of whose effects already happened.
+        #[arg(long)]
+        discard_plan: bool,
     },
 }
 
@@ -61,7 +65,21 @@ pub async fn run(config: &Config, command: DlqCommand) -> Result<(), CliError> {
             code,
             all,
             rate,
-        } => replay(config, ids, plugin, code, all, &rate).await,
+            discard_plan,
+        } => {
+            replay(
+                config,
+                ReplayFilter {
+                    ids,
+                    plugin,
+                    code,
+                    all,
+                },
+                &rate,
+                discard_plan,
+            )
+            .await
+        }
     }
 }
 
@@ -175,14 +193,26 @@ pub fn parse_rate(text: &str) -> Result<f64, String> {
     Ok(n / seconds)
 }
 
-async fn replay(
-    config: &Config,
+/// Which dead jobs to replay.
+struct ReplayFilter {
     ids: Vec<i64>,
     plugin: Option<String>,
     code: Option<String>,
     all: bool,
+}
+
+async fn replay(
+    config: &Config,
+    filter: ReplayFilter,
     rate: &str,
+    discard_plan: bool,
 ) -> Result<(), CliError> {
+    let ReplayFilter {
+        ids,
+        plugin,
+        code,
+        all,
+    } = filter;
     let per_second = parse_rate(rate).map_err(CliError::Usage)?;
     if ids.is_empty() && plugin.is_none() && code.is_none() && !all {
         return Err(CliError::Usage(
@@ -205,6 +235,18 @@ async fn replay(
     for (i, job) in dead.iter().enumerate() {
         if i > 0 {
             tokio::time::sleep(gap).await;
+        }
+        if discard_plan && job.plan.is_some() {
+            let discarded = store
+                .job_discard_plan(job.id)
+                .await
+                .map_err(|e| CliError::Runtime(e.into()))?;
+            if !discarded {
+                eprintln!(
+                    "job {}: plan kept (some of its effects already happened); replaying it as it is",
+                    job.id
+                );
+            }
         }
         replayed += store
             .job_replay(&[job.id])

@@ -610,6 +610,11 @@ pub trait Store: Send + Sync + 'static {
     /// effects of their plans that failed permanently become claimable again.
     async fn job_replay(&self, ids: &[JobId]) -> Result<u64>;
 
+    /// Drops a dead job's stored plan, so a replay asks the (fixed) plugin
+    /// for a new one. Refused (`false`) when any effect of the plan already
+    /// succeeded: a new plan could then repeat or contradict it.
+    async fn job_discard_plan(&self, id: JobId) -> Result<bool>;
+
     /// Cancels a job that is not running or finished.
     async fn job_cancel(&self, id: JobId) -> Result<bool>;
 

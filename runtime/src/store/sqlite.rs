@@ -765,6 +765,47 @@ impl Store for SqliteStore {
         Ok(result.rows_affected())
     }
 
+    async fn job_discard_plan(&self, id: JobId) -> Result<bool> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let plan: Option<Option<String>> =
+            sqlx::query_scalar("SELECT plan FROM jobs WHERE id = ?1 AND state = 'dead'")
+                .bind(id.0)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some(Some(plan)) = plan else {
+            return Ok(false);
+        };
+        let keys = shared::plan_keys(std::iter::once(&plan));
+        if !keys.is_empty() {
+            let done: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM effects WHERE status = 'succeeded' AND key IN (SELECT value FROM json_each(?1))",
+            )
+            .bind(serde_json::to_string(&keys).map_err(|e| StoreError::Invalid(format!("keys do not serialise: {e}")))?)
+            .fetch_one(&mut *tx)
+            .await?;
+            if done > 0 {
+                return Ok(false);
+            }
+            // The plan's unfinished keys go with it: the new plan may use the
+            // same keys for corrected requests.
+            sqlx::query(
+                "DELETE FROM effects WHERE status IN ('failed', 'retrying') AND key IN (SELECT value FROM json_each(?1))",
+            )
+            .bind(serde_json::to_string(&keys).map_err(|e| StoreError::Invalid(format!("keys do not serialise: {e}")))?)
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(sql!(
+            "UPDATE jobs SET plan = NULL, plan_hash = NULL, updated_at = {now} \
+             WHERE id = ?1 AND state = 'dead'"
+        ))
+        .bind(id.0)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
     async fn job_cancel(&self, id: JobId) -> Result<bool> {
         let result = sqlx::query(sql!(
             "UPDATE jobs SET state = 'cancelled', finished_at = {now}, updated_at = {now} \

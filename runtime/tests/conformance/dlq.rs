@@ -251,3 +251,83 @@ pub async fn dead_jobs_filter_by_plugin_and_code(store: Arc<dyn Store>) {
         vec![b]
     );
 }
+
+pub async fn discard_plan_only_when_no_effect_happened(store: Arc<dyn Store>) {
+    use idem::store::{EffectClaim, EffectClaimParams, EffectFailParams, EffectStatus};
+    let plan = |keys: &[&str]| {
+        let effects: Vec<_> = keys
+            .iter()
+            .map(|k| serde_json::json!({"provider": "email", "idempotency_key": k, "action": {"type": "custom", "body": ""}}))
+            .collect();
+        serde_json::to_string(&effects).unwrap()
+    };
+    let effect = |key: &str| EffectClaimParams {
+        key: key.into(),
+        job_id: JobId(1),
+        plugin: "p".into(),
+        provider: "email".into(),
+        fingerprint: "f".into(),
+        worker: "w".into(),
+        lease: LONG,
+    };
+    let fence_of = |claim: EffectClaim| match claim {
+        EffectClaim::Claimed { fence } => fence,
+        other => panic!("expected a claim, got {other:?}"),
+    };
+    // A: its only effect failed permanently; the plan can go, and the key with it.
+    let a = store.job_insert(job("p")).await.unwrap().id;
+    let claimed_a = claim_one(&store, "w", LONG).await;
+    store
+        .job_save_plan(&claimed_a.fence(), &plan(&["a1"]), "h")
+        .await
+        .unwrap();
+    let f = fence_of(store.effect_claim(effect("a1")).await.unwrap());
+    store
+        .effect_set_failed(EffectFailParams {
+            fence: f,
+            status: EffectStatus::Failed,
+            error_code: "invalid_recipient".into(),
+        })
+        .await
+        .unwrap();
+    store
+        .job_set_dead(idem::store::DeadParams {
+            fence: claimed_a.fence(),
+            error: error(1, "permanent", "invalid_recipient"),
+            redact_payload: false,
+        })
+        .await
+        .unwrap();
+    // B: one of its effects happened; its plan must stay.
+    let b = store.job_insert(job("p")).await.unwrap().id;
+    let claimed_b = claim_one(&store, "w", LONG).await;
+    store
+        .job_save_plan(&claimed_b.fence(), &plan(&["b1", "b2"]), "h")
+        .await
+        .unwrap();
+    let f = fence_of(store.effect_claim(effect("b1")).await.unwrap());
+    store.effect_set_succeeded(&f, Some("r")).await.unwrap();
+    store
+        .job_set_dead(idem::store::DeadParams {
+            fence: claimed_b.fence(),
+            error: error(1, "permanent", "bad_request"),
+            redact_payload: false,
+        })
+        .await
+        .unwrap();
+    let live = store.job_insert(job("p")).await.unwrap().id;
+
+    assert!(store.job_discard_plan(a).await.unwrap());
+    let a_job = get(&store, a).await;
+    assert_eq!((a_job.plan, a_job.plan_hash), (None, None));
+    assert!(
+        store.effect_get("a1").await.unwrap().is_none(),
+        "the unfinished key went with the plan"
+    );
+    assert!(!store.job_discard_plan(b).await.unwrap());
+    assert!(get(&store, b).await.plan.is_some());
+    assert!(
+        !store.job_discard_plan(live).await.unwrap(),
+        "only dead jobs"
+    );
+}

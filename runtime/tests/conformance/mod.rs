@@ -101,6 +101,7 @@ macro_rules! conformance_suite {
             dlq::dead_redacts_payload,
             dlq::replay_resets_attempts_keeps_key,
             dlq::dead_jobs_filter_by_plugin_and_code,
+            dlq::discard_plan_only_when_no_effect_happened,
             effects::effect_claim_then_already_succeeded,
             effects::effect_lease_blocks_until_expiry,
             effects::effect_fingerprint_conflict,
