@@ -218,7 +218,30 @@ async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend:
     assert_eq!(h.provider.applied("invoice:8:email:v1"), 1);
 }
 
+async fn exit_when_drained_looks_only_at_the_served_queues(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let mut elsewhere = invoice(9);
+    elsewhere.queue = "billing".into();
+    let waiting = h.store.job_insert(elsewhere).await.unwrap().id;
+    let mut later = invoice(10);
+    later.delay = Duration::from_secs(3600);
+    h.store.job_insert(later).await.unwrap();
+    let done = h.store.job_insert(invoice(11)).await.unwrap().id;
+    // Serves only `default`: the billing job and the job scheduled for later do not hold it.
+    let stats = h.drain().await;
+    assert_eq!(stats.succeeded, 1);
+    assert_eq!(
+        h.store.job_get(done).await.unwrap().unwrap().state,
+        JobState::Succeeded
+    );
+    assert_eq!(
+        h.store.job_get(waiting).await.unwrap().unwrap().state,
+        JobState::Available
+    );
+}
+
 both_backends!(
+    exit_when_drained_looks_only_at_the_served_queues,
     hostile_plugins_are_recorded_with_their_codes_and_the_worker_keeps_serving,
     retryable_faults_are_retried_with_backoff_until_attempts_run_out,
     shutdown_records_the_call_in_flight_and_gives_the_lease_back,

@@ -211,7 +211,7 @@ impl Worker {
                 continue;
             }
             if self.settings.exit_when_drained && tasks.is_empty() {
-                match self.store.queue_is_drained().await {
+                match self.served_queues_drained().await {
                     Ok(true) => break,
                     Ok(false) => {}
                     Err(error) => {
@@ -249,6 +249,22 @@ impl Worker {
             let _ = service.await;
         }
         Ok(self.stats.snapshot())
+    }
+
+    /// True when none of the queues this worker serves has a job runnable
+    /// now, running or retrying (other queues cannot hold it; jobs a producer
+    /// scheduled for later do not either).
+    async fn served_queues_drained(&self) -> Result<bool, StoreError> {
+        for queue in self.settings.queues.keys() {
+            let stats = self.store.queue_stats(Some(queue)).await?;
+            if stats.ready > 0
+                || stats.count(crate::store::JobState::Running) > 0
+                || stats.count(crate::store::JobState::Retrying) > 0
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Runs one claimed job to a recorded outcome; every log line inside
