@@ -382,3 +382,99 @@ fn a_dead_database_is_a_clear_runtime_error() {
     let out = idem_in(dir.path(), &["--database-url", "mysql://x", "stats"], &[]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_worker_killed_mid_run_loses_nothing_and_duplicates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugins_dir = dir.path().join("plugins");
+    std::fs::create_dir(&plugins_dir).unwrap();
+    for name in ["send_invoice_email.wasm", "noop.wasm"] {
+        std::fs::copy(
+            std::path::Path::new(plugins::PLUGINS_DIR).join(name),
+            plugins_dir.join(name),
+        )
+        .unwrap();
+    }
+    // A short lease, so the killed worker's jobs are rescued quickly.
+    std::fs::write(
+        plugins_dir.join("send_invoice_email.toml"),
+        "providers = [\"email\"]\ndeadline = \"500ms\"\nlease = \"1s\"\n",
+    )
+    .unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let provider = runtime
+        .block_on(idem::provider_server::ProviderServerHandle::start(
+            idem::provider_server::ProviderServerConfig {
+                processing_delay: Duration::from_millis(300),
+                ..Default::default()
+            },
+        ))
+        .unwrap();
+    std::fs::write(
+        dir.path().join("idem.toml"),
+        format!(
+            "plugins_dir = \"plugins\"\n[worker]\nlease = \"1s\"\nbackoff_base = \"50ms\"\nbackoff_max = \"200ms\"\npoll_interval = \"100ms\"\nqueues = {{ default = 4 }}\n[providers.email]\nkind = \"email\"\nbase_url = \"{}\"\ntimeout = \"500ms\"\n",
+            provider.base_url
+        ),
+    )
+    .unwrap();
+    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+    runtime.block_on(async {
+        let store = idem::store::connect(&url).await.unwrap();
+        let jobs = (0..30)
+            .map(|i| {
+                idem::store::NewJob::new(
+                    "send_invoice_email",
+                    format!(r#"{{"invoice_id": {i}, "recipient": "c{i}@example.com"}}"#)
+                        .into_bytes(),
+                )
+            })
+            .collect();
+        store.job_insert_many(jobs).await.unwrap();
+    });
+    let mut first = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .current_dir(dir.path())
+        .args(["run", "--summary", "false"])
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-cli-test-cache"),
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while runtime.block_on(provider.calls()).len() < 6 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the first worker never called the provider"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SIGKILL: no shutdown, no lease given back, calls in flight cut off.
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let second = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .current_dir(dir.path())
+        .args(["run", "--exit-when-drained"])
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-cli-test-cache"),
+        )
+        .output()
+        .unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&ok(&second)).unwrap();
+    assert_eq!(summary["jobs"]["succeeded"], 30, "{summary}");
+    assert_eq!(summary["jobs"]["dead"], 0, "{summary}");
+    assert!(
+        summary["worker"]["rescued"].as_u64().unwrap() >= 1,
+        "the killed worker's jobs were rescued: {summary}"
+    );
+    for i in 0..30 {
+        assert_eq!(
+            provider.applied(&format!("invoice:{i}:email:v1")),
+            1,
+            "invoice {i}"
+        );
+    }
+}

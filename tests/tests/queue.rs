@@ -240,7 +240,47 @@ async fn exit_when_drained_looks_only_at_the_served_queues(backend: Backend) {
     );
 }
 
+async fn two_workers_share_a_queue_and_every_effect_happens_once(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let mut batch = Vec::new();
+    for i in 0..60 {
+        // Every invoice event arrives twice.
+        batch.push(invoice(1000 + i));
+        batch.push(invoice(1000 + i));
+    }
+    h.store.job_insert_many(batch).await.unwrap();
+    let a = Worker::new(
+        h.store.clone(),
+        h.registry.clone(),
+        h.providers(),
+        h.settings("node-a"),
+    );
+    let b = Worker::new(
+        h.store.clone(),
+        h.registry.clone(),
+        h.providers(),
+        h.settings("node-b"),
+    );
+    let never = CancellationToken::new();
+    let (ra, rb) = tokio::join!(a.run(never.clone()), b.run(never.clone()));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(ra.succeeded + rb.succeeded, 120, "{ra:?} {rb:?}");
+    assert!(
+        ra.claimed > 0 && rb.claimed > 0,
+        "both nodes worked: {ra:?} {rb:?}"
+    );
+    for i in 0..60 {
+        assert_eq!(
+            h.provider
+                .applied(&format!("invoice:{}:email:v1", 1000 + i)),
+            1
+        );
+    }
+    assert_eq!(ra.effects_executed + rb.effects_executed, 60);
+}
+
 both_backends!(
+    two_workers_share_a_queue_and_every_effect_happens_once,
     exit_when_drained_looks_only_at_the_served_queues,
     hostile_plugins_are_recorded_with_their_codes_and_the_worker_keeps_serving,
     retryable_faults_are_retried_with_backoff_until_attempts_run_out,

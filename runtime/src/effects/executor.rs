@@ -178,6 +178,7 @@ impl Executor {
             }
         };
         if abort.is_cancelled() {
+            permit.release();
             return Err(PlanOutcome::Aborted);
         }
         // The key's lease must outlast the call, or a second holder could
@@ -185,7 +186,14 @@ impl Executor {
         let lease = self
             .effect_lease
             .max(provider.provider.timeout() * 2 + Duration::from_secs(5));
-        let fence = self.claim(job, effect, lease).await?;
+        let fence = match self.claim(job, effect, lease).await {
+            Ok(fence) => fence,
+            Err(outcome) => {
+                // Skipped, deferred or refused: the provider was not called.
+                permit.release();
+                return Err(outcome);
+            }
+        };
         self.call_provider(effect, &fence, &provider, permit).await
     }
 

@@ -26,22 +26,32 @@ pub struct Guard {
 pub struct Permit<'a> {
     guard: &'a Guard,
     _slot: OwnedSemaphorePermit,
-    recorded: bool,
+    trial: bool,
+    settled: bool,
 }
 
 impl Permit<'_> {
     /// Feeds the breaker: success closes it; retryable or ambiguous failures
     /// count towards opening it; permanent ones (the upstream answered) do not.
     pub fn record(mut self, outcome: Result<(), ErrorClass>) {
-        self.recorded = true;
+        self.settled = true;
         self.guard.record(outcome);
+    }
+
+    /// Gives the permit back unused (the provider was never called): the
+    /// breaker learns nothing, and a half-open trial goes to the next caller.
+    pub fn release(mut self) {
+        self.settled = true;
+        if self.trial {
+            self.guard.release_trial();
+        }
     }
 }
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
-        if !self.recorded {
-            // Dropped mid-call (shutdown, timeout): release a half-open trial.
+        if !self.settled {
+            // Dropped mid-call: the upstream's answer is unknown.
             self.guard.record(Err(ErrorClass::Retryable));
         }
     }
@@ -117,11 +127,12 @@ impl Guard {
         {
             tokio::time::sleep(wait).await;
         }
-        self.admit()?;
+        let trial = self.admit()?;
         Ok(Permit {
             guard: self,
             _slot: slot,
-            recorded: false,
+            trial,
+            settled: false,
         })
     }
 
@@ -133,17 +144,18 @@ impl Guard {
         }
     }
 
-    fn admit(&self) -> Result<(), Failure> {
+    /// Lets a caller through; `Ok(true)` when it takes the half-open trial.
+    fn admit(&self) -> Result<bool, Failure> {
         let mut breaker = self.breaker.lock().expect("breaker poisoned");
         match *breaker {
-            Breaker::Closed { .. } => Ok(()),
+            Breaker::Closed { .. } => Ok(false),
             Breaker::Open { until } => {
                 let now = Instant::now();
                 if now >= until {
                     *breaker = Breaker::HalfOpen {
                         trial_in_flight: true,
                     };
-                    Ok(())
+                    Ok(true)
                 } else {
                     Err(open(until - now))
                 }
@@ -155,9 +167,18 @@ impl Guard {
                     *breaker = Breaker::HalfOpen {
                         trial_in_flight: true,
                     };
-                    Ok(())
+                    Ok(true)
                 }
             }
+        }
+    }
+
+    fn release_trial(&self) {
+        let mut breaker = self.breaker.lock().expect("breaker poisoned");
+        if let Breaker::HalfOpen { .. } = *breaker {
+            *breaker = Breaker::HalfOpen {
+                trial_in_flight: false,
+            };
         }
     }
 
@@ -263,6 +284,24 @@ mod tests {
         holder.record(Err(ErrorClass::Retryable));
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(guard.enter().await.is_ok(), "the trial is still available");
+    }
+
+    #[tokio::test]
+    async fn released_permits_teach_the_breaker_nothing() {
+        let guard = Guard::new(&config(1, 50));
+        for _ in 0..10 {
+            guard.enter().await.unwrap().release();
+        }
+        assert!(!guard.is_open());
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Retryable));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        // An unused trial goes back: the next caller gets it.
+        guard.enter().await.unwrap().release();
+        assert!(guard.enter().await.is_ok());
     }
 
     #[tokio::test]
