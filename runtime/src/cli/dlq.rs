@@ -91,13 +91,7 @@ async fn list(
 ) -> Result<(), CliError> {
     let store = store(config).await?;
     let dead = store
-        .job_list(JobFilter {
-            states: vec![JobState::Dead],
-            plugin,
-            error_code: code,
-            ids: vec![],
-            limit,
-        })
+        .job_list(dead_jobs(plugin, code, vec![], limit))
         .await
         .map_err(|e| CliError::Runtime(e.into()))?;
     println!(
@@ -121,6 +115,17 @@ async fn list(
         eprintln!("the dead-letter queue is empty");
     }
     Ok(())
+}
+
+/// The filter for dead jobs (`limit` 0: all of them).
+fn dead_jobs(plugin: Option<String>, code: Option<String>, ids: Vec<i64>, limit: u32) -> JobFilter {
+    JobFilter {
+        states: vec![JobState::Dead],
+        plugin,
+        error_code: code,
+        ids: ids.into_iter().map(JobId).collect(),
+        limit,
+    }
 }
 
 fn time(ms: i64) -> String {
@@ -221,13 +226,7 @@ async fn replay(
     }
     let store = store(config).await?;
     let dead = store
-        .job_list(JobFilter {
-            states: vec![JobState::Dead],
-            plugin,
-            error_code: code,
-            ids: ids.into_iter().map(JobId).collect(),
-            limit: u32::MAX,
-        })
+        .job_list(dead_jobs(plugin, code, ids, 0))
         .await
         .map_err(|e| CliError::Runtime(e.into()))?;
     let gap = Duration::from_secs_f64(1.0 / per_second);
