@@ -90,7 +90,7 @@ fn every_hostile_plugin_gets_its_classified_code_within_its_limit() {
         (
             "hostile_sleep",
             "plugin_forbidden_call",
-            "retryable",
+            "permanent",
             Duration::from_secs(10),
         ),
         (

@@ -418,7 +418,44 @@ async fn a_replay_with_a_discarded_plan_asks_the_fixed_plugin_again(backend: Bac
     assert_eq!(h.provider.applied("webhook:evt_5:acme"), 0);
 }
 
+async fn an_effect_done_before_is_skipped_even_while_its_provider_circuit_is_open(
+    backend: Backend,
+) {
+    let h = Harness::new(backend).await;
+    h.store
+        .job_insert(invoice(1, "ana@example.com"))
+        .await
+        .unwrap();
+    h.drain().await;
+    assert_eq!(h.provider.applied("invoice:1:email:v1"), 1);
+    // Open the email circuit with one failure.
+    let providers = h.providers_with("breaker_failures = 1\nbreaker_cool_down = \"1h\"");
+    h.provider
+        .script_faults("invoice:2:email:v1", vec![Fault::ServerError]);
+    let mut failing = invoice(2, "bob@example.com");
+    failing.max_attempts = 1;
+    h.store.job_insert(failing).await.unwrap();
+    h.drain_with(providers.clone()).await;
+    assert!(providers.get("email").unwrap().guard.is_open());
+    // A redelivery of the first invoice: its only effect is done, so the
+    // job finishes without waiting for the provider to recover.
+    let id = h
+        .store
+        .job_insert(invoice(1, "ana@example.com"))
+        .await
+        .unwrap()
+        .id;
+    let stats = h.drain_with(providers).await;
+    assert_eq!(
+        h.store.job_get(id).await.unwrap().unwrap().state,
+        JobState::Succeeded
+    );
+    assert_eq!(stats.deferred, 0, "{stats:?}");
+    assert_eq!(stats.idempotency_hits, 1);
+}
+
 both_backends!(
+    an_effect_done_before_is_skipped_even_while_its_provider_circuit_is_open,
     a_replay_with_a_discarded_plan_asks_the_fixed_plugin_again,
     an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider,
     the_same_invoice_event_delivered_three_times_sends_one_email,

@@ -235,6 +235,15 @@ async fn replay(
         if i > 0 {
             tokio::time::sleep(gap).await;
         }
+        let redacted = crate::store::is_redacted_payload(&job.payload);
+        if redacted && (job.plan.is_none() || discard_plan) {
+            // Its plugin would be handed the redaction reference, not the payload.
+            eprintln!(
+                "job {}: skipped, its payload was redacted and it has no plan to replay; enqueue it again from the source",
+                job.id
+            );
+            continue;
+        }
         if discard_plan && job.plan.is_some() {
             let discarded = store
                 .job_discard_plan(job.id)

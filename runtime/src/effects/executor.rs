@@ -81,6 +81,26 @@ pub fn fingerprint(effect: &Effect) -> String {
     hex::encode(hasher.finalize())
 }
 
+fn conflict(effect: &Effect) -> PlanOutcome {
+    PlanOutcome::Failed(Failure::permanent(
+        "idempotency_key_conflict",
+        format!(
+            "the key {:?} was used before for a different request",
+            effect.idempotency_key
+        ),
+    ))
+}
+
+fn failed_before(effect: &Effect, code: &str) -> PlanOutcome {
+    PlanOutcome::Failed(Failure::permanent(
+        code.to_string(),
+        format!(
+            "the effect {:?} failed permanently before ({code}); replay its job once the cause is fixed",
+            effect.idempotency_key
+        ),
+    ))
+}
+
 impl Executor {
     /// Checks a fresh plan against the plugin's grants and the configured
     /// providers, before anything is stored or executed.
@@ -165,6 +185,11 @@ impl Executor {
                 ),
             )));
         };
+        // A key done (or refused) before needs no provider capacity: look
+        // first, so a redelivery skips it even while the provider is down.
+        if let Some(settled) = self.settled(effect).await? {
+            return Err(settled);
+        }
         // The permit comes before the key's lease: waiting for a slot or a
         // rate token must not eat into the lease that protects the call.
         let permit = match provider.guard.enter().await {
@@ -197,6 +222,38 @@ impl Executor {
         self.call_provider(effect, &fence, &provider, permit).await
     }
 
+    /// What the ledger already settled for this key (done, failed, or used
+    /// for another request), read without claiming.
+    async fn settled(&self, effect: &Effect) -> Result<Option<PlanOutcome>, PlanOutcome> {
+        let row = retry_transient(|| self.store.effect_get(&effect.idempotency_key))
+            .await
+            .map_err(PlanOutcome::Store)?;
+        let Some(row) = row else { return Ok(None) };
+        if row.fingerprint != fingerprint(effect) {
+            return Ok(Some(conflict(effect)));
+        }
+        Ok(match row.status {
+            EffectStatus::Succeeded => {
+                self.hit(effect, row.result_ref.as_deref());
+                Some(PlanOutcome::Skipped)
+            }
+            EffectStatus::Failed => Some(failed_before(
+                effect,
+                row.last_error_code.as_deref().unwrap_or("effect_failed"),
+            )),
+            EffectStatus::Processing | EffectStatus::Retrying => None,
+        })
+    }
+
+    fn hit(&self, effect: &Effect, result_ref: Option<&str>) {
+        tracing::info!(
+            result_ref = result_ref.unwrap_or(""),
+            "effect already done: skipped"
+        );
+        WorkerStats::bump(&self.stats.idempotency_hits);
+        metrics::effect(&effect.provider, "idempotency_hit");
+    }
+
     /// Claims the effect's key; every outcome but `Claimed` ends this effect.
     async fn claim(
         &self,
@@ -219,12 +276,7 @@ impl Executor {
         match claim {
             EffectClaim::Claimed { fence } => Ok(fence),
             EffectClaim::AlreadySucceeded { result_ref } => {
-                tracing::info!(
-                    result_ref = result_ref.as_deref().unwrap_or(""),
-                    "effect already done: skipped"
-                );
-                WorkerStats::bump(&self.stats.idempotency_hits);
-                metrics::effect(&effect.provider, "idempotency_hit");
+                self.hit(effect, result_ref.as_deref());
                 Err(PlanOutcome::Skipped)
             }
             EffectClaim::LeasedByOther { lease_until_ms } => {
@@ -242,20 +294,8 @@ impl Executor {
                     reason: "effect_leased_by_other",
                 })
             }
-            EffectClaim::Conflict { .. } => Err(PlanOutcome::Failed(Failure::permanent(
-                "idempotency_key_conflict",
-                format!(
-                    "the key {:?} was used before for a different request",
-                    effect.idempotency_key
-                ),
-            ))),
-            EffectClaim::Failed { code } => Err(PlanOutcome::Failed(Failure::permanent(
-                code.clone(),
-                format!(
-                    "the effect {:?} failed permanently before ({code}); replay its job once the cause is fixed",
-                    effect.idempotency_key
-                ),
-            ))),
+            EffectClaim::Conflict { .. } => Err(conflict(effect)),
+            EffectClaim::Failed { code } => Err(failed_before(effect, &code)),
         }
     }
 

@@ -137,6 +137,15 @@ impl Providers {
         self.by_name.get(name).cloned()
     }
 
+    /// The longest request timeout of any provider (zero when none).
+    pub fn max_timeout(&self) -> Duration {
+        self.by_name
+            .values()
+            .map(|p| p.provider.timeout())
+            .max()
+            .unwrap_or_default()
+    }
+
     /// Names of the configured providers.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.by_name.keys().map(String::as_str)

@@ -237,7 +237,11 @@ impl Worker {
                     "grace period over: giving leases back"
                 );
                 abort_jobs.cancel();
-                let _ = tokio::time::timeout(Duration::from_secs(10), async {
+                // Jobs now stop between effects; a provider call in flight
+                // must still be able to answer and be recorded.
+                let in_flight_bound =
+                    self.executor.providers.max_timeout() + Duration::from_secs(5);
+                let _ = tokio::time::timeout(Duration::from_secs(10).max(in_flight_bound), async {
                     while tasks.join_next().await.is_some() {}
                 })
                 .await;

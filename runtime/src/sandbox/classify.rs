@@ -30,18 +30,11 @@ pub fn hostcall_fuel(output: &OutputLimits) -> usize {
         .saturating_add(MAX_ERROR_MESSAGE * 2)
 }
 
-/// Whether an instantiation error is the guest's own doing (a trap in its
-/// start-up code, its memory cap) rather than the host's.
-pub fn is_guest_fault(error: &wasmtime::Error) -> bool {
-    error.downcast_ref::<Trap>().is_some()
-        || error.downcast_ref::<MemoryCapExceeded>().is_some()
-        || error.downcast_ref::<ForbiddenCall>().is_some()
-}
-
 /// Classifies an error raised while instantiating or calling the plugin.
 pub fn trap(error: &wasmtime::Error, limits: &PluginLimits, stderr: &str) -> Failure {
     if let Some(call) = error.downcast_ref::<ForbiddenCall>() {
-        return Failure::retryable("plugin_forbidden_call", call.to_string());
+        // Deterministic: the same plugin version waits again on every attempt.
+        return Failure::permanent("plugin_forbidden_call", call.to_string());
     }
     if let Some(cap) = error.downcast_ref::<MemoryCapExceeded>() {
         return Failure::retryable("plugin_out_of_memory", cap.to_string());

@@ -268,12 +268,16 @@ impl Sandbox {
         };
         let instance = match plugin.pre.instantiate(&mut store) {
             Ok(instance) => instance,
-            Err(error) if classify::is_guest_fault(&error) => {
+            Err(error)
+                if error
+                    .downcast_ref::<wasmtime::PoolConcurrencyLimitError>()
+                    .is_none() =>
+            {
                 return Err(classify::trap(&error, limits, &store.data().stderr.text()));
             }
             Err(error) => {
-                // Not the plugin's doing (the instance pool is full, the host
-                // is out of memory): the job is deferred, not charged.
+                // Not the plugin's doing (every pooled instance is in use):
+                // the job is deferred, not charged.
                 return Err(Failure::retryable(
                     SANDBOX_UNAVAILABLE,
                     format!("cannot instantiate the plugin: {error:#}"),

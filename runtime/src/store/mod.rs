@@ -206,6 +206,15 @@ pub struct Job {
     pub last_failed_at_ms: Option<i64>,
 }
 
+/// Whether a payload is a redaction reference (the original is gone).
+///
+/// ```
+/// assert!(!idem::store::is_redacted_payload(b"{}"));
+/// ```
+pub fn is_redacted_payload(payload: &[u8]) -> bool {
+    shared::is_redacted(payload)
+}
+
 /// Largest payload accepted at enqueue (1 MiB): a job carries a reference
 /// to large data, not the data.
 pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
@@ -611,8 +620,11 @@ pub trait Store: Send + Sync + 'static {
     async fn job_replay(&self, ids: &[JobId]) -> Result<u64>;
 
     /// Drops a dead job's stored plan, so a replay asks the (fixed) plugin
-    /// for a new one. Refused (`false`) when any effect of the plan already
-    /// succeeded: a new plan could then repeat or contradict it.
+    /// for a new one. Refused (`false`) unless every effect of the plan that
+    /// was tried failed permanently without reaching the outside world: an
+    /// effect that succeeded, is in flight or failed ambiguously may have
+    /// happened, and a new plan could repeat or contradict it. The job's own
+    /// failed ledger rows go with the plan.
     async fn job_discard_plan(&self, id: JobId) -> Result<bool>;
 
     /// Cancels a job that is not running or finished.

@@ -767,18 +767,24 @@ impl Store for SqliteStore {
 
     async fn job_discard_plan(&self, id: JobId) -> Result<bool> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let plan: Option<Option<String>> =
-            sqlx::query_scalar("SELECT plan FROM jobs WHERE id = ?1 AND state = 'dead'")
-                .bind(id.0)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some(Some(plan)) = plan else {
+        let row = sqlx::query("SELECT plan, payload FROM jobs WHERE id = ?1 AND state = 'dead'")
+            .bind(id.0)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(row) = row else {
+            return Ok(false);
+        };
+        let plan: Option<String> = row.try_get("plan")?;
+        let payload: Vec<u8> = row.try_get("payload")?;
+        // A redacted job cannot make a new plan: its plugin would be handed
+        // the redaction reference instead of the payload.
+        let (Some(plan), false) = (plan, shared::is_redacted(&payload)) else {
             return Ok(false);
         };
         let keys = shared::plan_keys(std::iter::once(&plan));
         if !keys.is_empty() {
             let done: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM effects WHERE status = 'succeeded' AND key IN (SELECT value FROM json_each(?1))",
+                "SELECT count(*) FROM effects WHERE (status <> 'failed' OR last_error_code = 'ambiguous_not_retried') AND key IN (SELECT value FROM json_each(?1))",
             )
             .bind(serde_json::to_string(&keys).map_err(|e| StoreError::Invalid(format!("keys do not serialise: {e}")))?)
             .fetch_one(&mut *tx)
@@ -786,12 +792,13 @@ impl Store for SqliteStore {
             if done > 0 {
                 return Ok(false);
             }
-            // The plan's unfinished keys go with it: the new plan may use the
-            // same keys for corrected requests.
+            // This job's permanently failed keys go with the plan: the new
+            // plan may use the same keys for corrected requests.
             sqlx::query(
-                "DELETE FROM effects WHERE status IN ('failed', 'retrying') AND key IN (SELECT value FROM json_each(?1))",
+                "DELETE FROM effects WHERE status = 'failed' AND job_id = ?2 AND key IN (SELECT value FROM json_each(?1))",
             )
             .bind(serde_json::to_string(&keys).map_err(|e| StoreError::Invalid(format!("keys do not serialise: {e}")))?)
+            .bind(id.0)
             .execute(&mut *tx)
             .await?;
         }
@@ -869,6 +876,8 @@ impl Store for SqliteStore {
             "DELETE FROM effects WHERE key IN (\
                  SELECT key FROM effects \
                  WHERE status <> 'processing' AND updated_at < {now} - ?1 \
+                   AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.id = effects.job_id \
+                                   AND jobs.state <> 'succeeded') \
                  ORDER BY updated_at LIMIT ?2)"
         ))
         .bind(shared::millis(older_than))

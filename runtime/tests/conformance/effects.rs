@@ -501,4 +501,22 @@ pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>)
         0,
         "limit respected"
     );
+    // A key of a job that is not done (here: dead, waiting for a replay) is kept.
+    let id = store.job_insert(job("p")).await.unwrap().id;
+    let held = claim_one(&store, "w", LONG).await;
+    let mut params = claim("dead-job-key", "a", LONG);
+    params.job_id = id;
+    let f = claimed(&store, params).await;
+    store.effect_set_succeeded(&f, None).await.unwrap();
+    store
+        .job_set_dead(idem::store::DeadParams {
+            fence: held.fence(),
+            error: error(1, "permanent", "x"),
+            redact_payload: false,
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store.effect_delete_finished(cutoff, 100).await.unwrap();
+    assert!(store.effect_get("dead-job-key").await.unwrap().is_some());
 }
