@@ -19,6 +19,7 @@ pub struct Guard {
     slots: Arc<Semaphore>,
     rate: Option<Mutex<TokenBucket>>,
     breaker: Mutex<Breaker>,
+    trials: std::sync::atomic::AtomicU64,
     config: GuardConfig,
 }
 
@@ -26,7 +27,8 @@ pub struct Guard {
 pub struct Permit<'a> {
     guard: &'a Guard,
     _slot: OwnedSemaphorePermit,
-    trial: bool,
+    /// The half-open trial this permit holds, by generation.
+    trial: Option<u64>,
     settled: bool,
 }
 
@@ -35,15 +37,15 @@ impl Permit<'_> {
     /// count towards opening it; permanent ones (the upstream answered) do not.
     pub fn record(mut self, outcome: Result<(), ErrorClass>) {
         self.settled = true;
-        self.guard.record(outcome);
+        self.guard.record(outcome, self.trial);
     }
 
     /// Gives the permit back unused (the provider was never called): the
     /// breaker learns nothing, and a half-open trial goes to the next caller.
     pub fn release(mut self) {
         self.settled = true;
-        if self.trial {
-            self.guard.release_trial();
+        if let Some(trial) = self.trial {
+            self.guard.release_trial(trial);
         }
     }
 }
@@ -52,16 +54,24 @@ impl Drop for Permit<'_> {
     fn drop(&mut self) {
         if !self.settled {
             // Dropped mid-call: the upstream's answer is unknown.
-            self.guard.record(Err(ErrorClass::Retryable));
+            self.guard.record(Err(ErrorClass::Retryable), self.trial);
         }
     }
 }
 
 #[derive(Debug)]
 enum Breaker {
-    Closed { failures: u32 },
-    Open { until: Instant },
-    HalfOpen { trial_in_flight: bool },
+    Closed {
+        failures: u32,
+    },
+    Open {
+        until: Instant,
+    },
+    /// The generation of the trial call in flight, if any. Generations tell
+    /// a stale permit (from before a re-open) from the current trial.
+    HalfOpen {
+        trial: Option<u64>,
+    },
 }
 
 struct TokenBucket {
@@ -104,6 +114,7 @@ impl Guard {
             slots: Arc::new(Semaphore::new(config.concurrency.max(1))),
             rate,
             breaker: Mutex::new(Breaker::Closed { failures: 0 }),
+            trials: std::sync::atomic::AtomicU64::new(0),
             config: config.clone(),
         }
     }
@@ -144,46 +155,48 @@ impl Guard {
         }
     }
 
-    /// Lets a caller through; `Ok(true)` when it takes the half-open trial.
-    fn admit(&self) -> Result<bool, Failure> {
+    /// Lets a caller through; `Ok(Some(generation))` when it takes the
+    /// half-open trial.
+    fn admit(&self) -> Result<Option<u64>, Failure> {
         let mut breaker = self.breaker.lock().expect("breaker poisoned");
         match *breaker {
-            Breaker::Closed { .. } => Ok(false),
-            Breaker::Open { until } => {
-                let now = Instant::now();
-                if now >= until {
-                    *breaker = Breaker::HalfOpen {
-                        trial_in_flight: true,
-                    };
-                    Ok(true)
-                } else {
-                    Err(open(until - now))
-                }
+            Breaker::Closed { .. } => return Ok(None),
+            Breaker::Open { until } if Instant::now() < until => {
+                return Err(open(until - Instant::now()));
             }
-            Breaker::HalfOpen { trial_in_flight } => {
-                if trial_in_flight {
-                    Err(open(Duration::from_secs(1)))
-                } else {
-                    *breaker = Breaker::HalfOpen {
-                        trial_in_flight: true,
-                    };
-                    Ok(true)
-                }
-            }
+            Breaker::HalfOpen { trial: Some(_) } => return Err(open(Duration::from_secs(1))),
+            Breaker::Open { .. } | Breaker::HalfOpen { trial: None } => {}
+        }
+        let generation = self
+            .trials
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        *breaker = Breaker::HalfOpen {
+            trial: Some(generation),
+        };
+        Ok(Some(generation))
+    }
+
+    fn release_trial(&self, generation: u64) {
+        let mut breaker = self.breaker.lock().expect("breaker poisoned");
+        if let Breaker::HalfOpen {
+            trial: Some(current),
+        } = *breaker
+            && current == generation
+        {
+            *breaker = Breaker::HalfOpen { trial: None };
         }
     }
 
-    fn release_trial(&self) {
+    fn record(&self, outcome: Result<(), ErrorClass>, trial: Option<u64>) {
         let mut breaker = self.breaker.lock().expect("breaker poisoned");
-        if let Breaker::HalfOpen { .. } = *breaker {
-            *breaker = Breaker::HalfOpen {
-                trial_in_flight: false,
-            };
+        if let Breaker::HalfOpen { trial: current } = *breaker
+            && (trial.is_none() || current != trial)
+        {
+            // A call admitted before the circuit opened (or an older trial):
+            // only the current trial decides a half-open circuit.
+            return;
         }
-    }
-
-    fn record(&self, outcome: Result<(), ErrorClass>) {
-        let mut breaker = self.breaker.lock().expect("breaker poisoned");
         let failed = matches!(outcome, Err(ErrorClass::Retryable | ErrorClass::Ambiguous));
         let answered = outcome.is_ok();
         *breaker = match (&*breaker, failed) {
@@ -301,6 +314,26 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(60)).await;
         // An unused trial goes back: the next caller gets it.
         guard.enter().await.unwrap().release();
+        assert!(guard.enter().await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_stale_permit_cannot_decide_a_half_open_circuit() {
+        let guard = Guard::new(&config(1, 50));
+        let stale = guard.enter().await.unwrap();
+        guard
+            .enter()
+            .await
+            .unwrap()
+            .record(Err(ErrorClass::Retryable));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let trial = guard.enter().await.unwrap();
+        stale.record(Ok(()));
+        assert!(
+            guard.enter().await.is_err(),
+            "still half-open, the trial in flight"
+        );
+        trial.record(Ok(()));
         assert!(guard.enter().await.is_ok());
     }
 
