@@ -287,6 +287,7 @@ impl Worker {
         metrics::job_claimed(&job.queue, &job.plugin, waited);
         let plugin = self.registry.get(&job.plugin);
         let lease = self.lease_for(plugin.as_deref());
+        let backoff = self.backoff_for(plugin.as_deref());
         // One token stops the attempt between steps: shutdown (via `abort`)
         // or a lost lease (cancelled by the heartbeat). A provider call in
         // flight always finishes, so its answer is recorded under the key.
@@ -313,7 +314,7 @@ impl Worker {
             Attempt::Interrupted => "interrupted",
         };
         let policy = Policy {
-            backoff: self.backoff_for(&job),
+            backoff,
             redact_dead_payloads: self.settings.redact_dead_payloads,
         };
         if let Err(error) = outcome::record(&*self.store, &self.stats, &job, attempt, policy).await
@@ -333,15 +334,16 @@ impl Worker {
         lease.max(plugin.compiled.limits.deadline * 2)
     }
 
-    fn backoff_for(&self, job: &Job) -> Backoff {
-        let manifest = self
-            .registry
-            .get(&job.plugin)
-            .map(|p| p.manifest.clone())
-            .unwrap_or_default();
+    /// The plugin's backoff (from the same version the attempt runs with).
+    fn backoff_for(&self, plugin: Option<&LoadedPlugin>) -> Backoff {
+        let manifest = plugin.map(|p| &p.manifest);
         Backoff {
-            base: manifest.backoff_base.unwrap_or(self.settings.backoff.base),
-            max: manifest.backoff_max.unwrap_or(self.settings.backoff.max),
+            base: manifest
+                .and_then(|m| m.backoff_base)
+                .unwrap_or(self.settings.backoff.base),
+            max: manifest
+                .and_then(|m| m.backoff_max)
+                .unwrap_or(self.settings.backoff.max),
         }
     }
 
