@@ -119,6 +119,17 @@ pub struct WorkerConfig {
     pub backoff_max: Duration,
     /// Replace dead jobs' payloads by a hash reference.
     pub redact_dead_payloads: bool,
+    /// Jobs claimed ahead per queue, beyond its concurrency (at most the
+    /// concurrency; 0: claim only for free handlers).
+    pub prefetch: usize,
+    /// Most jobs claimed by one statement.
+    pub claim_batch: usize,
+    /// Most writes committed in one transaction.
+    pub commit_batch: usize,
+    /// How long a commit waits for more writes when few are queued (0: never
+    /// wait; a busy worker batches while the previous commit runs).
+    #[serde(with = "humantime_serde")]
+    pub commit_wait: Duration,
 }
 
 impl Default for WorkerConfig {
@@ -133,6 +144,10 @@ impl Default for WorkerConfig {
             backoff_base: Duration::from_secs(5),
             backoff_max: Duration::from_secs(15 * 60),
             redact_dead_payloads: false,
+            prefetch: 16,
+            claim_batch: 100,
+            commit_batch: 512,
+            commit_wait: Duration::ZERO,
         }
     }
 }
@@ -309,19 +324,6 @@ pub fn parse_queues(text: &str) -> Result<BTreeMap<String, u32>, String> {
     Ok(queues)
 }
 
-/// `Duration` fields as humantime text (`"30s"`, `"15m"`).
-pub mod humantime_serde {
-    use serde::{Deserialize, Deserializer};
-    use std::time::Duration;
-
-    /// Deserialises `"30s"`.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        humantime::parse_duration(&text)
-            .map_err(|e| serde::de::Error::custom(format!("{text:?}: {e}")))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,5 +356,20 @@ mod tests {
             toml::from_str("[worker]\nqueues = { mail = 3 }\nlease = \"1m\"").unwrap();
         assert_eq!(config.worker.queues["mail"], 3);
         assert_eq!(config.worker.lease, Duration::from_secs(60));
+        let err = toml::from_str::<Config>("[worker]\nlease = \"soon\"").unwrap_err();
+        assert!(err.to_string().contains("soon"), "{err}");
+    }
+
+    #[test]
+    fn the_readme_configuration_parses() {
+        let readme = include_str!("../../README.md");
+        let start = readme
+            .find("```toml\ndatabase_url")
+            .expect("config block in README")
+            + 8;
+        let end = start + readme[start..].find("```").expect("end of block");
+        let config: Config = toml::from_str(&readme[start..end]).unwrap();
+        assert_eq!(config.providers.len(), 2);
+        assert_eq!(config.worker.queue_limits["billing"], 2);
     }
 }

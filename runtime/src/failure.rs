@@ -36,6 +36,253 @@ impl ErrorClass {
     }
 }
 
+/// Every error code the host itself writes, in one catalog: the executor,
+/// the sandbox, the providers and the store's SQL take their codes from here,
+/// and `docs/alerts.yml` and the README name only these (a test checks).
+/// Plugins and providers may return codes of their own as well.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Code {
+    /// The plugin ran past its deadline or fuel.
+    PluginTimeout,
+    /// The plugin hit its memory cap.
+    PluginOutOfMemory,
+    /// The plugin overflowed its stack.
+    PluginStackOverflow,
+    /// The plugin panicked.
+    PluginPanic,
+    /// The plugin trapped otherwise.
+    PluginTrap,
+    /// The plugin tried to sleep or wait on a clock.
+    PluginForbiddenCall,
+    /// The plugin returned more than its output caps allow.
+    PluginOutputTooLarge,
+    /// No plugin of the job's name is loaded.
+    PluginNotFound,
+    /// The plugin returned an error code that is empty or too long.
+    InvalidErrorCode,
+    /// An effect key is empty, too long or not printable.
+    InvalidIdempotencyKey,
+    /// Two effects of one plan share a key.
+    DuplicateIdempotencyKey,
+    /// An effect is malformed (no provider, bad header or method).
+    InvalidEffect,
+    /// The stored plan cannot be read back.
+    PlanCorrupt,
+    /// The plugin used a provider (or enqueued a plugin) it was not granted.
+    EffectNotAllowed,
+    /// The effect names a provider this host does not configure.
+    ProviderNotConfigured,
+    /// The provider cannot carry out this kind of action.
+    UnsupportedAction,
+    /// A key was used before for a different request.
+    IdempotencyKeyConflict,
+    /// A permanently failed effect without a stored code.
+    EffectFailed,
+    /// An ambiguous failure at a provider that cannot dedupe: not retried.
+    AmbiguousNotRetried,
+    /// A lease expired with no attempt left.
+    LeaseExpired,
+    /// The provider did not answer in time after the request was sent.
+    ProviderTimeout,
+    /// The connection dropped after the request was sent.
+    ProviderConnectionLost,
+    /// The provider answered 500, 502 or 504.
+    ProviderError,
+    /// The provider answered 408: it did not receive the whole request.
+    ProviderRequestTimeout,
+    /// The provider answered 503.
+    ProviderUnavailable,
+    /// The provider answered 429.
+    ProviderRateLimited,
+    /// The provider answered 409: the same key is in flight there.
+    ProviderRequestInProgress,
+    /// The provider refused the request (4xx).
+    ProviderRejected,
+    /// The provider answered with a redirect (never followed).
+    ProviderRedirected,
+    /// The provider could not be reached (nothing was sent).
+    ProviderUnreachable,
+}
+
+impl Code {
+    /// Every code.
+    pub const ALL: [Code; 30] = [
+        Code::PluginTimeout,
+        Code::PluginOutOfMemory,
+        Code::PluginStackOverflow,
+        Code::PluginPanic,
+        Code::PluginTrap,
+        Code::PluginForbiddenCall,
+        Code::PluginOutputTooLarge,
+        Code::PluginNotFound,
+        Code::InvalidErrorCode,
+        Code::InvalidIdempotencyKey,
+        Code::DuplicateIdempotencyKey,
+        Code::InvalidEffect,
+        Code::PlanCorrupt,
+        Code::EffectNotAllowed,
+        Code::ProviderNotConfigured,
+        Code::UnsupportedAction,
+        Code::IdempotencyKeyConflict,
+        Code::EffectFailed,
+        Code::AmbiguousNotRetried,
+        Code::LeaseExpired,
+        Code::ProviderTimeout,
+        Code::ProviderConnectionLost,
+        Code::ProviderError,
+        Code::ProviderRequestTimeout,
+        Code::ProviderUnavailable,
+        Code::ProviderRateLimited,
+        Code::ProviderRequestInProgress,
+        Code::ProviderRejected,
+        Code::ProviderRedirected,
+        Code::ProviderUnreachable,
+    ];
+
+    /// The code as stored, logged and shown.
+    ///
+    /// ```
+    /// assert_eq!(idem::failure::Code::LeaseExpired.as_str(), "lease_expired");
+    /// ```
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Code::PluginTimeout => "plugin_timeout",
+            Code::PluginOutOfMemory => "plugin_out_of_memory",
+            Code::PluginStackOverflow => "plugin_stack_overflow",
+            Code::PluginPanic => "plugin_panic",
+            Code::PluginTrap => "plugin_trap",
+            Code::PluginForbiddenCall => "plugin_forbidden_call",
+            Code::PluginOutputTooLarge => "plugin_output_too_large",
+            Code::PluginNotFound => "plugin_not_found",
+            Code::InvalidErrorCode => "invalid_error_code",
+            Code::InvalidIdempotencyKey => "invalid_idempotency_key",
+            Code::DuplicateIdempotencyKey => "duplicate_idempotency_key",
+            Code::InvalidEffect => "invalid_effect",
+            Code::PlanCorrupt => "plan_corrupt",
+            Code::EffectNotAllowed => "effect_not_allowed",
+            Code::ProviderNotConfigured => "provider_not_configured",
+            Code::UnsupportedAction => "unsupported_action",
+            Code::IdempotencyKeyConflict => "idempotency_key_conflict",
+            Code::EffectFailed => "effect_failed",
+            Code::AmbiguousNotRetried => "ambiguous_not_retried",
+            Code::LeaseExpired => "lease_expired",
+            Code::ProviderTimeout => "provider_timeout",
+            Code::ProviderConnectionLost => "provider_connection_lost",
+            Code::ProviderError => "provider_error",
+            Code::ProviderRequestTimeout => "provider_request_timeout",
+            Code::ProviderUnavailable => "provider_unavailable",
+            Code::ProviderRateLimited => "provider_rate_limited",
+            Code::ProviderRequestInProgress => "provider_request_in_progress",
+            Code::ProviderRejected => "provider_rejected",
+            Code::ProviderRedirected => "provider_redirected",
+            Code::ProviderUnreachable => "provider_unreachable",
+        }
+    }
+
+    /// The class a failure with this code has.
+    pub fn class(self) -> ErrorClass {
+        match self {
+            Code::PluginTimeout
+            | Code::PluginOutOfMemory
+            | Code::PluginStackOverflow
+            | Code::PluginPanic
+            | Code::PluginTrap
+            | Code::PluginNotFound
+            | Code::ProviderRequestTimeout
+            | Code::ProviderUnavailable
+            | Code::ProviderRateLimited
+            | Code::ProviderRequestInProgress
+            | Code::ProviderUnreachable => ErrorClass::Retryable,
+            Code::ProviderTimeout
+            | Code::ProviderConnectionLost
+            | Code::ProviderError
+            | Code::LeaseExpired => ErrorClass::Ambiguous,
+            Code::PluginForbiddenCall
+            | Code::PluginOutputTooLarge
+            | Code::InvalidErrorCode
+            | Code::InvalidIdempotencyKey
+            | Code::DuplicateIdempotencyKey
+            | Code::InvalidEffect
+            | Code::PlanCorrupt
+            | Code::EffectNotAllowed
+            | Code::ProviderNotConfigured
+            | Code::UnsupportedAction
+            | Code::IdempotencyKeyConflict
+            | Code::EffectFailed
+            | Code::AmbiguousNotRetried
+            | Code::ProviderRejected
+            | Code::ProviderRedirected => ErrorClass::Permanent,
+        }
+    }
+
+    /// What the code means, for people (the README's table of codes).
+    pub fn meaning(self) -> &'static str {
+        match self {
+            Code::PluginTimeout => "The plugin ran past its deadline or fuel.",
+            Code::PluginOutOfMemory => "The plugin hit its memory cap.",
+            Code::PluginStackOverflow => "The plugin overflowed its stack.",
+            Code::PluginPanic => "The plugin panicked.",
+            Code::PluginTrap => "The plugin trapped otherwise.",
+            Code::PluginForbiddenCall => "The plugin tried to sleep or wait on a clock.",
+            Code::PluginOutputTooLarge => "The plugin returned more than its output caps allow.",
+            Code::PluginNotFound => "No plugin of the job's name is loaded.",
+            Code::InvalidErrorCode => {
+                "The plugin returned an error code that is empty or too long."
+            }
+            Code::InvalidIdempotencyKey => "An effect key is empty, too long or not printable.",
+            Code::DuplicateIdempotencyKey => "Two effects of one plan share a key.",
+            Code::InvalidEffect => "An effect is malformed (no provider, bad header or method).",
+            Code::PlanCorrupt => "The stored plan cannot be read back.",
+            Code::EffectNotAllowed => {
+                "The plugin used a provider (or enqueued a plugin) it was not granted."
+            }
+            Code::ProviderNotConfigured => {
+                "The effect names a provider this host does not configure."
+            }
+            Code::UnsupportedAction => "The provider cannot carry out this kind of action.",
+            Code::IdempotencyKeyConflict => "A key was used before for a different request.",
+            Code::EffectFailed => "A permanently failed effect without a stored code.",
+            Code::AmbiguousNotRetried => {
+                "An ambiguous failure at a provider that cannot dedupe: not retried."
+            }
+            Code::LeaseExpired => "A lease expired with no attempt left.",
+            Code::ProviderTimeout => {
+                "The provider did not answer in time after the request was sent."
+            }
+            Code::ProviderConnectionLost => "The connection dropped after the request was sent.",
+            Code::ProviderError => "The provider answered 500, 502 or 504.",
+            Code::ProviderRequestTimeout => {
+                "The provider answered 408: it did not receive the whole request."
+            }
+            Code::ProviderUnavailable => "The provider answered 503.",
+            Code::ProviderRateLimited => "The provider answered 429.",
+            Code::ProviderRequestInProgress => {
+                "The provider answered 409: the same key is in flight there."
+            }
+            Code::ProviderRejected => "The provider refused the request (4xx).",
+            Code::ProviderRedirected => "The provider answered with a redirect (never followed).",
+            Code::ProviderUnreachable => "The provider could not be reached (nothing was sent).",
+        }
+    }
+
+    /// The code of this name, if it is the host's.
+    ///
+    /// ```
+    /// use idem::failure::Code;
+    /// assert_eq!(Code::parse("plugin_panic"), Some(Code::PluginPanic));
+    /// assert_eq!(Code::parse("invalid_recipient"), None);
+    /// ```
+    pub fn parse(text: &str) -> Option<Code> {
+        Code::ALL.into_iter().find(|c| c.as_str() == text)
+    }
+}
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A classified failure with a machine-readable code.
 ///
 /// ```
@@ -87,6 +334,17 @@ impl Failure {
     /// An ambiguous failure (the request may have taken effect).
     pub fn ambiguous(code: impl Into<String>, message: impl Into<String>) -> Self {
         Self::new(ErrorClass::Ambiguous, code, message)
+    }
+
+    /// A failure with one of the host's own codes, in the code's class.
+    ///
+    /// ```
+    /// use idem::failure::{Code, ErrorClass, Failure};
+    /// let f = Failure::host(Code::PluginPanic, "the plugin panicked");
+    /// assert_eq!((f.class, f.code.as_str()), (ErrorClass::Retryable, "plugin_panic"));
+    /// ```
+    pub fn host(code: Code, message: impl Into<String>) -> Self {
+        Self::new(code.class(), code.as_str(), message)
     }
 
     /// Sets the earliest retry.
@@ -142,6 +400,52 @@ mod tests {
         let f = Failure::permanent("x", "é".repeat(5000));
         assert!(f.message.len() <= Failure::MAX_MESSAGE);
         assert!(f.message.ends_with("..."));
+    }
+
+    #[test]
+    fn catalog_codes_are_unique_snake_case_and_parse_back() {
+        let mut seen = std::collections::HashSet::new();
+        for code in Code::ALL {
+            assert!(seen.insert(code.as_str()), "{code} twice");
+            assert!(
+                code.as_str()
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{code}"
+            );
+            assert_eq!(Code::parse(code.as_str()), Some(code));
+        }
+    }
+
+    #[test]
+    fn the_readme_table_lists_every_code_as_the_catalog_says() {
+        let readme = include_str!("../../README.md");
+        for code in Code::ALL {
+            let row = format!(
+                "| `{code}` | {} | {} |",
+                code.class().as_str(),
+                code.meaning()
+            );
+            assert!(readme.contains(&row), "README lacks the row {row}");
+        }
+    }
+
+    #[test]
+    fn the_alert_rules_name_only_catalog_codes() {
+        let alerts = include_str!("../../docs/alerts.yml");
+        let mut named = 0;
+        for (i, _) in alerts.match_indices("code=~\"") {
+            let rest = &alerts[i + "code=~\"".len()..];
+            let list = &rest[..rest.find('"').unwrap_or(0)];
+            for code in list.split('|') {
+                assert!(
+                    Code::parse(code).is_some(),
+                    "docs/alerts.yml names {code:?}, which is not a host code"
+                );
+                named += 1;
+            }
+        }
+        assert!(named > 0, "the timeout alert names its codes");
     }
 
     #[test]

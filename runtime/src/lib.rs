@@ -3,24 +3,29 @@
 //! each once, under its idempotency key.
 //!
 //! # Layout
+//! - [`failpoint`]: failures injected on purpose (feature `failpoints`).
 //! - [`failure`]: classified failures (retryable, permanent, ambiguous + code).
 //! - [`effects`]: effects as the host sees them, and plan checks.
 //! - [`sandbox`]: the wasmtime engine, plugin compilation and per-job instances.
-//! - [`plugins`]: the plugins folder, manifests and hot reload.
+//! - [`plugins`]: the plugins folder, manifests, grants (declared, narrowed) and hot reload.
 //! - [`queue`]: the worker loop, outcomes, backoff, rescuer and pruner.
 //! - [`metrics`]: metric names and the Prometheus exporter.
 //! - [`store`]: the store contract with SQLite and PostgreSQL implementations.
 //! - [`providers`]: where effects are carried out (http, email), with retry-storm guards.
 //! - [`config`]: `idem.toml` and environment overrides.
-//! - [`provider_server`]: a local idempotent provider for demos and tests.
 //! - [`cli`]: the `idem` command line.
+//!
+//! The local provider server used by the demo and the tests is a dev tool in its
+//! own crate, `idem-provider-server` (`runtime/provider-server/`); the `idem`
+//! binary runs it as `idem provider-server` when the default `provider-server`
+//! feature is on. This library never depends on it otherwise.
 pub mod cli;
 pub mod config;
 pub mod effects;
+pub mod failpoint;
 pub mod failure;
 pub mod metrics;
 pub mod plugins;
-pub mod provider_server;
 pub mod providers;
 pub mod queue;
 pub mod sandbox;

@@ -3,11 +3,12 @@
 //!
 //! Counters: `idem_jobs_claimed_total{queue,plugin}`,
 //! `idem_jobs_finished_total{plugin,outcome}` (succeeded, retried, dead, deferred),
-//! `idem_job_errors_total{plugin,code,class}`, `idem_lease_expiries_total`,
+//! `idem_job_errors_total{plugin,code,class}`, `idem_jobs_deferred_total{plugin,reason}`, `idem_lease_expiries_total`,
 //! `idem_fenced_out_total`, `idem_effects_total{provider,outcome}`
 //! (executed, idempotency_hit, failed, deferred), `idem_provider_errors_total{provider,code}`.
 //! Histograms: `idem_job_wait_seconds` (enqueue to claim), `idem_job_duration_seconds{plugin}`,
-//! `idem_provider_call_seconds{provider}`, `idem_job_attempts{plugin}` (at success).
+//! `idem_provider_call_seconds{provider}`, `idem_job_attempts{plugin}` (at success),
+//! `idem_store_batch_writes` (writes per group commit).
 //! Gauges: `idem_queue_jobs{queue,state}`, `idem_queue_oldest_ready_seconds{queue}`.
 
 use std::time::Duration;
@@ -30,6 +31,12 @@ pub fn job_finished(plugin: &str, outcome: &'static str, took: Duration) {
 /// A job succeeded after `attempt` attempts.
 pub fn job_attempts(plugin: &str, attempt: u32) {
     metrics::histogram!("idem_job_attempts", "plugin" => plugin.to_string()).record(attempt as f64);
+}
+
+/// A job was deferred without using an attempt.
+pub fn job_deferred(plugin: &str, reason: &'static str) {
+    metrics::counter!("idem_jobs_deferred_total", "plugin" => plugin.to_string(), "reason" => reason)
+        .increment(1);
 }
 
 /// A job attempt failed with a classified error.
@@ -61,6 +68,11 @@ pub fn provider_call(provider: &str, took: Duration, error_code: Option<&str>) {
         metrics::counter!("idem_provider_errors_total", "provider" => provider.to_string(), "code" => code.to_string())
             .increment(1);
     }
+}
+
+/// The group commit flushed a batch of `writes`.
+pub fn store_batch(writes: usize) {
+    metrics::histogram!("idem_store_batch_writes").record(writes as f64);
 }
 
 /// Queue depth by state.

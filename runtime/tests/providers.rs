@@ -3,9 +3,9 @@
 
 use idem::effects::{Action, Effect};
 use idem::failure::ErrorClass;
-use idem::provider_server::{Fault, ProviderServerConfig, ProviderServerHandle};
 use idem::providers::http::{HttpProvider, sign};
 use idem::providers::{Provider, ProviderConfig};
+use idem_provider_server::{Fault, ProviderServerConfig, ProviderServerHandle};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

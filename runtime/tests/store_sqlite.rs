@@ -4,14 +4,17 @@
 mod conformance;
 
 use conformance::{Fixture, LONG, claim_params, job, keyed};
-use idem::store::sqlite::{SqliteStore, job_insert_in};
-use idem::store::{JobFilter, JobId, JobState, Store, StoreError};
+use idem::store::group_commit::{GroupCommit, GroupCommitSettings};
+use idem::store::sqlite::job_insert_in;
+use idem::store::{BackendKind, Clock, JobFilter, JobId, JobState, SqlStore, Store, StoreError};
 use std::collections::HashSet;
 use std::sync::Arc;
 
-async fn open(dir: &tempfile::TempDir) -> SqliteStore {
+async fn open(dir: &tempfile::TempDir) -> SqlStore {
     let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-    SqliteStore::connect(&url).await.unwrap()
+    idem::store::sqlite::connect(&url, Clock::Adjustable)
+        .await
+        .unwrap()
 }
 
 async fn sqlite_fixture() -> Fixture {
@@ -24,14 +27,32 @@ async fn sqlite_fixture() -> Fixture {
     }
 }
 
-conformance::conformance_suite!(sqlite_fixture);
+async fn grouped_sqlite_fixture() -> Fixture {
+    let fixture = sqlite_fixture().await;
+    Fixture {
+        store: GroupCommit::new(fixture.store, GroupCommitSettings::default()),
+        ..fixture
+    }
+}
+
+/// The suite on the store itself.
+mod direct {
+    use super::*;
+    conformance::conformance_suite!(sqlite_fixture);
+}
+
+/// The suite through the group commit: every write goes through batches.
+mod grouped {
+    use super::*;
+    conformance::conformance_suite!(grouped_sqlite_fixture);
+}
 
 #[tokio::test]
 async fn transactional_enqueue_commits_or_rolls_back() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(&dir).await;
 
-    let mut tx = store.pool().begin().await.unwrap();
+    let mut tx = store.sqlite_pool().unwrap().begin().await.unwrap();
     let enqueued = job_insert_in(&mut tx, keyed("outbox", "order:1:created"))
         .await
         .unwrap();
@@ -49,7 +70,7 @@ async fn transactional_enqueue_commits_or_rolls_back() {
             .is_empty()
     );
 
-    let mut tx = store.pool().begin().await.unwrap();
+    let mut tx = store.sqlite_pool().unwrap().begin().await.unwrap();
     sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
         .execute(&mut *tx)
         .await
@@ -77,7 +98,7 @@ async fn transactional_enqueue_commits_or_rolls_back() {
     assert!(!again.inserted);
 
     let invalid = {
-        let mut conn = store.pool().acquire().await.unwrap();
+        let mut conn = store.sqlite_pool().unwrap().acquire().await.unwrap();
         job_insert_in(&mut conn, keyed("outbox", ""))
             .await
             .unwrap_err()
@@ -90,7 +111,7 @@ async fn closed_pool_gives_transient_error() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(&dir).await;
     store.job_insert(job("x")).await.unwrap();
-    store.pool().close().await;
+    store.close().await;
     let err = store.job_get(JobId(1)).await.unwrap_err();
     assert!(matches!(err, StoreError::Database(_)), "{err:?}");
     assert!(err.is_transient(), "{err:?}");
@@ -111,7 +132,7 @@ async fn corrupt_row_is_reported_and_claim_rolled_back() {
     let id = store.job_insert(job("x")).await.unwrap().id;
     sqlx::query("UPDATE jobs SET errors = 'not json' WHERE id = ?1")
         .bind(id.0)
-        .execute(store.pool())
+        .execute(store.sqlite_pool().unwrap())
         .await
         .unwrap();
     let err = store.job_get(id).await.unwrap_err();
@@ -124,7 +145,7 @@ async fn corrupt_row_is_reported_and_claim_rolled_back() {
     assert!(matches!(err, StoreError::Corrupt(_)), "{err:?}");
     let state: String = sqlx::query_scalar("SELECT state FROM jobs WHERE id = ?1")
         .bind(id.0)
-        .fetch_one(store.pool())
+        .fetch_one(store.sqlite_pool().unwrap())
         .await
         .unwrap();
     assert_eq!(state, "available", "the claim was rolled back");
@@ -138,14 +159,15 @@ async fn connect_creates_the_file_with_wal_and_pragmas() {
     let store = idem::store::connect(&format!("sqlite://{}", path.display()))
         .await
         .unwrap();
-    assert_eq!(store.backend(), "sqlite");
+    assert_eq!(store.backend(), BackendKind::Sqlite);
     assert!(path.exists());
     drop(store);
 
-    let store = SqliteStore::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .unwrap();
-    let mut conn = store.pool().acquire().await.unwrap();
+    let store =
+        idem::store::sqlite::connect(&format!("sqlite://{}", path.display()), Clock::Database)
+            .await
+            .unwrap();
+    let mut conn = store.sqlite_pool().unwrap().acquire().await.unwrap();
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(&mut *conn)
         .await
@@ -165,11 +187,11 @@ async fn connect_creates_the_file_with_wal_and_pragmas() {
         .fetch_one(&mut *conn)
         .await
         .unwrap();
-    assert_eq!(sync, 1, "NORMAL");
+    assert_eq!(sync, 2, "FULL: a committed write survives power loss");
     // Reopening an existing file applies no migration twice.
     drop(conn);
     drop(store);
-    SqliteStore::connect(&format!("sqlite://{}", path.display()))
+    idem::store::sqlite::connect(&format!("sqlite://{}", path.display()), Clock::Database)
         .await
         .unwrap();
 
@@ -231,4 +253,19 @@ async fn two_stores_on_one_file_claim_exactly_once() {
         }
     }
     assert_eq!(seen.len(), 500);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failing_flush_fails_every_write_of_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(&dir).await;
+    sqlx::query(
+        "CREATE TRIGGER explode BEFORE UPDATE OF state ON jobs \
+         WHEN NEW.plugin = 'explode' AND NEW.state = 'succeeded' \
+         BEGIN SELECT RAISE(ABORT, 'boom'); END",
+    )
+    .execute(store.sqlite_pool().unwrap())
+    .await
+    .unwrap();
+    conformance::batch::a_failing_flush_fails_every_write_of_it(Arc::new(store)).await;
 }

@@ -38,6 +38,34 @@ pub struct Job<P> {
     pub enqueued_at_ms: i64,
 }
 
+impl<P> Job<P> {
+    /// A job carrying `payload`, for unit-testing a plugin function natively
+    /// (`cargo test` on the host): id 1, plugin `"test"`, queue `"default"`,
+    /// first of 10 attempts, no job key, correlation id `"test"`. Change any
+    /// field with struct update syntax.
+    ///
+    /// ```
+    /// use idem_sdk::Job;
+    /// let job = Job::for_test(serde_json::json!({"invoice_id": 42}));
+    /// assert_eq!(job.attempt, 1);
+    /// let retried = Job { attempt: 3, ..Job::for_test(()) };
+    /// assert_eq!(retried.attempt, 3);
+    /// ```
+    pub fn for_test(payload: P) -> Self {
+        Job {
+            id: 1,
+            plugin: "test".to_string(),
+            queue: "default".to_string(),
+            payload,
+            attempt: 1,
+            max_attempts: 10,
+            idempotency_key: None,
+            correlation_id: "test".to_string(),
+            enqueued_at_ms: 0,
+        }
+    }
+}
+
 impl<P: DeserializeOwned> Job<P> {
     /// Decodes the payload; a payload that does not fit `P` is a permanent
     /// `payload_invalid` error carrying serde's message.

@@ -6,6 +6,11 @@
 //! delivered. Plugins never perform side effects themselves and never see
 //! wit-bindgen.
 //!
+//! A plugin declares the providers it uses (and the plugins it enqueues)
+//! next to its code; the declaration travels inside the component, and the
+//! host refuses any effect outside it. An operator file beside the `.wasm`
+//! may narrow it, never widen it.
+//!
 //! ```no_run
 //! use idem_sdk::{plugin, key, Effect, Email, Job, JobError};
 //! use serde::Deserialize;
@@ -13,7 +18,7 @@
 //! #[derive(Deserialize)]
 //! struct Invoice { invoice_id: u64, recipient: String }
 //!
-//! #[plugin]
+//! #[plugin(providers = ["email"])]
 //! fn handle(job: Job<Invoice>) -> Result<Vec<Effect>, JobError> {
 //!     let invoice = job.payload;
 //!     let email = Email::to(&invoice.recipient)?
@@ -25,15 +30,17 @@
 //! ```
 //!
 //! # Layout
-//! - [`job`]: the delivered job with its typed payload.
+//! - [`job`]: the delivered job with its typed payload ([`Job::for_test`] for unit tests).
 //! - [`effect`]: effects and their builders (email, HTTP, child job, custom).
 //! - [`key`]: idempotency keys, formatted and validated.
 //! - [`error`]: [`JobError`], retryable or permanent, with a machine-readable code.
 //! - [`log`]: the `trace!` .. `error!` macros that log into the host.
+//! - [`declaration`]: what `#[plugin(providers = .., enqueues = ..)]` stores in the component.
 #![deny(missing_docs)]
 
 extern crate self as idem_sdk;
 
+pub mod declaration;
 pub mod effect;
 pub mod error;
 pub mod job;

@@ -34,12 +34,12 @@ pub fn load(sandbox: &Sandbox, path: &str) -> idem::plugins::LoadedPlugin {
 }
 
 use idem::config::RetentionConfig;
-use idem::provider_server::{ProviderServerConfig, ProviderServerHandle};
 use idem::providers::{ProviderConfig, Providers};
 use idem::queue::backoff::Backoff;
 use idem::queue::stats::StatsSnapshot;
 use idem::queue::{Worker, WorkerSettings};
-use idem::store::Store;
+use idem::store::{Clock, Store};
+use idem_provider_server::{ProviderServerConfig, ProviderServerHandle};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -64,15 +64,20 @@ pub async fn store(backend: Backend) -> (Arc<dyn Store>, Box<dyn std::any::Any +
         Backend::Sqlite => {
             let dir = tempfile::tempdir().expect("tempdir");
             let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-            let store = idem::store::connect(&url).await.expect("sqlite store");
-            (store, Box::new(dir))
+            let store = idem::store::open(&url, Clock::Adjustable)
+                .await
+                .expect("sqlite store");
+            (Arc::new(store), Box::new(dir))
         }
         Backend::Postgres => {
             let schema = format!("idem_e2e_{}", hex::encode(rand::random::<[u8; 8]>()));
-            let store =
-                idem::store::postgres::PostgresStore::connect_with_schema(&database_url(), &schema)
-                    .await
-                    .expect("postgres store (is PostgreSQL running on 127.0.0.1:5432?)");
+            let store = idem::store::postgres::connect_with_schema(
+                &database_url(),
+                &schema,
+                Clock::Adjustable,
+            )
+            .await
+            .expect("postgres store (is PostgreSQL running on 127.0.0.1:5432?)");
             (Arc::new(store), Box::new(schema))
         }
     }
@@ -180,6 +185,7 @@ impl Harness {
             redact_dead_payloads: false,
             retention: RetentionConfig::default(),
             exit_when_drained: true,
+            ..WorkerSettings::from_config(&idem::config::Config::default())
         }
     }
 

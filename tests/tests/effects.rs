@@ -1,11 +1,13 @@
 //! Effects carried out exactly once, on both backends, asserting on what the
 //! local provider server really applied.
 
-use idem::effects::executor::{Executor, PlanOutcome};
 use idem::effects::{Action, Effect};
-use idem::provider_server::{Fault, ProviderServerConfig};
+use idem::failure::ErrorClass;
+use idem::queue::executor::{Executor, PlanOutcome};
+use idem::queue::outcome::DeferReason;
 use idem::queue::stats::WorkerStats;
 use idem::store::{ClaimParams, JobFilter, JobState, NewJob};
+use idem_provider_server::{Fault, ProviderServerConfig};
 use idem_tests::{Backend, Harness, both_backends, plugins};
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,7 +81,7 @@ async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_sends_one_email(b
     assert_eq!(job.state, JobState::Succeeded);
     assert_eq!(job.attempt, 2, "one ambiguous attempt, then success");
     assert_eq!(job.errors[0].code, "provider_timeout");
-    assert_eq!(job.errors[0].class, "ambiguous");
+    assert_eq!(job.errors[0].class, ErrorClass::Ambiguous);
     assert_eq!(
         h.provider.applied("invoice:42:email:v1"),
         1,
@@ -220,7 +222,13 @@ async fn reqwest_free_post(base_url: &str, key: &str) -> bool {
 
 async fn an_effect_for_an_ungranted_provider_is_refused_and_nothing_is_sent(backend: Backend) {
     let h = Harness::new(backend).await;
-    h.set_manifest("send_invoice_email", "providers = [\"partner\"]");
+    // The plugin declares `email`; the operator file narrows it to nothing.
+    h.set_manifest("send_invoice_email", "providers = []");
+    let plugin = h.registry.get("send_invoice_email").unwrap();
+    assert!(
+        !plugin.grants.allows_provider("email"),
+        "the narrowing applied"
+    );
     let id = h
         .store
         .job_insert(invoice(42, "ana@example.com"))
@@ -233,6 +241,36 @@ async fn an_effect_for_an_ungranted_provider_is_refused_and_nothing_is_sent(back
     assert_eq!(job.last_error_code.as_deref(), Some("effect_not_allowed"));
     assert!(job.plan.is_none(), "a refused plan is not stored");
     assert!(h.provider.calls().await.is_empty());
+}
+
+async fn a_child_job_for_an_ungranted_plugin_is_refused_and_nothing_is_executed(backend: Backend) {
+    let h = Harness::new(backend).await;
+    // order_sync declares `enqueues = ["send_invoice_email"]`; the operator
+    // file keeps its providers and narrows its child plugins to none.
+    h.set_manifest("order_sync", "enqueues = []");
+    let plugin = h.registry.get("order_sync").unwrap();
+    assert!(
+        plugin.grants.allows_provider("jobs") && !plugin.grants.allows_child("send_invoice_email")
+    );
+    let id = h.store.job_insert(order(7, "evt_1")).await.unwrap().id;
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.last_error_code.as_deref(), Some("effect_not_allowed"));
+    assert!(job.plan.is_none(), "a refused plan is not stored");
+    assert!(
+        h.provider.calls().await.is_empty(),
+        "not even the granted webhook is sent"
+    );
+    let all = h
+        .store
+        .job_list(JobFilter {
+            limit: 1000,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 1, "no child job was enqueued");
 }
 
 async fn the_order_flow_delivered_twice_sends_one_webhook_and_enqueues_one_invoice_job(
@@ -346,11 +384,11 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
     // Whoever claimed the key first carries the effect out; the other defers.
     let (winner, loser) = match (&ra, &rb) {
         (PlanOutcome::Done, PlanOutcome::Deferred { reason, .. }) => {
-            assert_eq!(*reason, "effect_leased_by_other");
+            assert_eq!(*reason, DeferReason::EffectLeasedByOther);
             (&a, &b)
         }
         (PlanOutcome::Deferred { reason, .. }, PlanOutcome::Done) => {
-            assert_eq!(*reason, "effect_leased_by_other");
+            assert_eq!(*reason, DeferReason::EffectLeasedByOther);
             (&b, &a)
         }
         other => panic!("expected one success and one deferral, got {other:?}"),
@@ -466,6 +504,7 @@ both_backends!(
     a_key_reused_for_a_different_request_is_an_idempotency_key_conflict,
     the_provider_reports_a_key_conflict_as_permanent,
     an_effect_for_an_ungranted_provider_is_refused_and_nothing_is_sent,
+    a_child_job_for_an_ungranted_plugin_is_refused_and_nothing_is_executed,
     the_order_flow_delivered_twice_sends_one_webhook_and_enqueues_one_invoice_job,
     a_plugin_upgrade_between_attempts_still_executes_the_stored_plan,
     two_workers_on_the_same_job_at_once_carry_the_effect_out_once,

@@ -2,11 +2,15 @@
 //! worker keeps serving, shutdown gives leases back, dead jobs replay once the
 //! cause is fixed, expired leases are rescued and the stale holder is fenced out.
 
-use idem::provider_server::ProviderServerConfig;
+use idem::plugins::PluginRegistry;
 use idem::providers::Providers;
 use idem::queue::Worker;
-use idem::store::{ClaimParams, Fence, JobFilter, JobState, NewJob};
+use idem::sandbox::{Sandbox, SandboxConfig};
+use idem::store::{ClaimParams, Fence, JobChange, JobFilter, JobState, NewJob, Write, Written};
+use idem_provider_server::ProviderServerConfig;
 use idem_tests::{Backend, Harness, both_backends};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -196,13 +200,17 @@ async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend:
             queue: "default".into(),
             worker: "ghost".into(),
             limit: 1,
-            lease: Duration::from_millis(200),
+            lease: Duration::from_secs(30),
             queue_concurrency: None,
         })
         .await
         .unwrap()
         .remove(0);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The ghost stalls past its lease: the store's clock moves on.
+    h.store
+        .clock_advance(Duration::from_secs(31))
+        .await
+        .unwrap();
     let stats = h.drain().await;
     assert_eq!(stats.rescued, 1);
     let job = h.store.job_get(id).await.unwrap().unwrap();
@@ -211,8 +219,17 @@ async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend:
     assert_eq!(job.attempt, 2);
     // The ghost wakes up and tries to finish: rejected, nothing changes.
     assert_eq!(
-        h.store.job_set_succeeded(&ghost.fence()).await.unwrap(),
-        Fence::FencedOut
+        h.store
+            .write(Write::Job {
+                fence: ghost.fence(),
+                change: JobChange::Succeed {
+                    plugin_hash: None,
+                    plan: None
+                },
+            })
+            .await
+            .unwrap(),
+        Written::Job(Fence::FencedOut)
     );
     assert_eq!(h.store.job_get(id).await.unwrap().unwrap(), job);
     assert_eq!(h.provider.applied("invoice:8:email:v1"), 1);
@@ -279,7 +296,55 @@ async fn two_workers_share_a_queue_and_every_effect_happens_once(backend: Backen
     assert_eq!(ra.effects_executed + rb.effects_executed, 60);
 }
 
+async fn a_full_instance_pool_defers_jobs_instead_of_failing_them(backend: Backend) {
+    let h = Harness::new(backend).await;
+    // One sandbox instance for two handlers: while the looping plugin holds
+    // it (up to its 300 ms deadline), the other handler cannot instantiate.
+    let sandbox = Arc::new(
+        Sandbox::new(SandboxConfig {
+            max_instances: 1,
+            ..SandboxConfig::default()
+        })
+        .unwrap(),
+    );
+    let registry = Arc::new(PluginRegistry::new(sandbox, h.plugins_dir.path()));
+    registry.refresh();
+    let mut looping = NewJob::new("hostile_loop", b"{}".to_vec());
+    looping.max_attempts = 1;
+    let looping = h.store.job_insert(looping).await.unwrap().id;
+    let mut noops = Vec::new();
+    for _ in 0..20 {
+        // One attempt each: a failure would dead-letter at once.
+        let mut job = NewJob::new("noop", b"{}".to_vec());
+        job.max_attempts = 1;
+        noops.push(h.store.job_insert(job).await.unwrap().id);
+    }
+    let mut settings = h.settings("pool-worker");
+    settings.queues = BTreeMap::from([("default".to_string(), 2)]);
+    let worker = Worker::new(h.store.clone(), registry, h.providers(), settings);
+    let stats = tokio::time::timeout(
+        Duration::from_secs(60),
+        worker.run(CancellationToken::new()),
+    )
+    .await
+    .expect("drains")
+    .unwrap();
+    assert!(
+        stats.deferred >= 1,
+        "a job that found no instance was deferred: {stats:?}"
+    );
+    for id in noops {
+        let job = h.store.job_get(id).await.unwrap().unwrap();
+        assert_eq!(job.state, JobState::Succeeded, "job {id}");
+        assert_eq!(job.attempt, 1, "a deferral uses no attempt");
+        assert!(job.errors.is_empty(), "job {id}: {:?}", job.errors);
+    }
+    let looped = h.store.job_get(looping).await.unwrap().unwrap();
+    assert_eq!(looped.last_error_code.as_deref(), Some("plugin_timeout"));
+}
+
 both_backends!(
+    a_full_instance_pool_defers_jobs_instead_of_failing_them,
     two_workers_share_a_queue_and_every_effect_happens_once,
     exit_when_drained_looks_only_at_the_served_queues,
     hostile_plugins_are_recorded_with_their_codes_and_the_worker_keeps_serving,

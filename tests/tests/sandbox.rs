@@ -4,7 +4,7 @@
 
 use idem::effects::Action;
 use idem::failure::{ErrorClass, Failure};
-use idem::sandbox::{JobInput, Sandbox, SandboxConfig};
+use idem::sandbox::{JobInput, RunError, Sandbox, SandboxConfig};
 use idem_tests::{load, plugins, sandbox};
 use std::time::{Duration, Instant};
 
@@ -27,7 +27,17 @@ fn run(
     payload: &str,
 ) -> Result<Vec<idem::effects::Effect>, Failure> {
     let plugin = load(sandbox, path);
-    sandbox.run(&plugin.compiled, &job(payload))
+    sandbox
+        .run(&plugin.compiled, &job(payload))
+        .map_err(plugin_failure)
+}
+
+/// The plugin's failure (a full instance pool is not one).
+fn plugin_failure(error: RunError) -> Failure {
+    match error {
+        RunError::Plugin(failure) => failure,
+        other => panic!("expected a plugin failure, got {other}"),
+    }
 }
 
 fn failure(sandbox: &Sandbox, path: &str) -> (Failure, Duration) {
@@ -167,7 +177,7 @@ fn fuel_budgets_stop_a_loop_too() {
     let mut plugin = load(&sandbox, plugins::HOSTILE_LOOP);
     plugin.compiled.limits.fuel = Some(1_000_000);
     plugin.compiled.limits.deadline = Duration::from_secs(30);
-    let err = sandbox.run(&plugin.compiled, &job("{}")).unwrap_err();
+    let err = plugin_failure(sandbox.run(&plugin.compiled, &job("{}")).unwrap_err());
     assert_eq!(err.code, "plugin_timeout");
     assert!(err.message.contains("fuel"), "{err}");
 }
@@ -367,10 +377,12 @@ fn replacing_a_file_while_running_switches_new_jobs_to_the_new_version() {
         let now = registry.get("noop").unwrap();
         if now.hash() != before.hash() {
             // The new version really runs.
-            let err = registry
-                .sandbox()
-                .run(&now.compiled, &job("{}"))
-                .unwrap_err();
+            let err = plugin_failure(
+                registry
+                    .sandbox()
+                    .run(&now.compiled, &job("{}"))
+                    .unwrap_err(),
+            );
             assert_eq!(err.code, "payload_invalid");
             break;
         }
@@ -385,8 +397,203 @@ fn replacing_a_file_while_running_switches_new_jobs_to_the_new_version() {
             .unwrap()
             .is_empty()
     );
-    // Removing a file removes the plugin.
+    // Removing a file removes the plugin (the watcher may see it first, so
+    // the refresh need not be the one that reports it).
     std::fs::remove_file(&target).unwrap();
+    registry.refresh();
+    assert!(registry.get("noop").is_none(), "noop is gone");
+    assert!(registry.list().iter().all(|p| p.name() != "noop"));
+}
+
+#[test]
+fn a_full_instance_pool_is_unavailable_not_a_plugin_failure() {
+    let sandbox = Sandbox::new(SandboxConfig {
+        max_instances: 1,
+        ..SandboxConfig::default()
+    })
+    .unwrap();
+    let mut looping = load(&sandbox, plugins::HOSTILE_LOOP);
+    looping.compiled.limits.deadline = Duration::from_secs(3);
+    let noop = load(&sandbox, plugins::NOOP);
+    std::thread::scope(|scope| {
+        // The loop takes the only instance as soon as noop lets it go.
+        let busy = scope.spawn(|| {
+            loop {
+                match sandbox.run(&looping.compiled, &job("{}")) {
+                    Err(RunError::Unavailable(_)) => std::thread::yield_now(),
+                    other => return other,
+                }
+            }
+        });
+        // Until the loop holds the only instance, noop still runs.
+        let mut unavailable = None;
+        while !busy.is_finished() {
+            match sandbox.run(&noop.compiled, &job("{}")) {
+                Ok(_) => std::thread::yield_now(),
+                Err(error) => {
+                    unavailable = Some(error);
+                    break;
+                }
+            }
+        }
+        match unavailable {
+            Some(RunError::Unavailable(_)) => {}
+            other => panic!(
+                "expected the pool to be full while the loop runs, got {other:?} (the loop: {:?})",
+                busy.is_finished().then_some("finished")
+            ),
+        }
+        let looped = plugin_failure(busy.join().unwrap().unwrap_err());
+        assert_eq!(looped.code, "plugin_timeout");
+    });
+    // The instance is back: noop runs again.
+    assert!(sandbox.run(&noop.compiled, &job("{}")).unwrap().is_empty());
+}
+
+/// `plugins::NOOP`'s bytes with `from` replaced by `to` inside its
+/// declaration section (same length, so the component stays valid).
+fn noop_with_declaration_bytes(from: &[u8], to: &[u8]) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let mut wasm = std::fs::read(plugins::NOOP).unwrap();
+    let marker = b"\x14idem-plugin-manifest{\"v\":1,";
+    let at = wasm
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .expect("noop carries its declaration section");
+    let end = (at + marker.len() + 64).min(wasm.len());
+    let offset = wasm[at..end]
+        .windows(from.len())
+        .position(|w| w == from)
+        .expect("the text to replace");
+    wasm[at + offset..at + offset + from.len()].copy_from_slice(to);
+    wasm
+}
+
+/// `wasm` with a custom section appended at the component's top level.
+fn with_custom_section(mut wasm: Vec<u8>, name: &str, data: &[u8]) -> Vec<u8> {
+    fn leb(mut n: usize, out: &mut Vec<u8>) {
+        loop {
+            let byte = (n & 0x7f) as u8;
+            n >>= 7;
+            out.push(if n == 0 { byte } else { byte | 0x80 });
+            if n == 0 {
+                break;
+            }
+        }
+    }
+    let mut body = Vec::new();
+    leb(name.len(), &mut body);
+    body.extend_from_slice(name.as_bytes());
+    body.extend_from_slice(data);
+    wasm.push(0);
+    leb(body.len(), &mut wasm);
+    wasm.extend_from_slice(&body);
+    wasm
+}
+
+/// Loads `wasm` as `<dir>/<name>.wasm` with an optional operator file.
+fn load_bytes(
+    name: &str,
+    wasm: &[u8],
+    operator_file: Option<&str>,
+) -> Result<idem::plugins::LoadedPlugin, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{name}.wasm"));
+    std::fs::write(&path, wasm).unwrap();
+    if let Some(text) = operator_file {
+        std::fs::write(path.with_extension("toml"), text).unwrap();
+    }
+    idem::plugins::registry::load_file(&sandbox(), &path).map_err(|e| e.to_string())
+}
+
+#[test]
+fn the_built_plugins_carry_their_declarations_through_the_component_linker() {
+    for (path, providers, enqueues) in [
+        (plugins::SEND_INVOICE_EMAIL, &["email"][..], &[][..]),
+        (
+            plugins::ORDER_SYNC,
+            &["partner", "jobs"][..],
+            &["send_invoice_email"][..],
+        ),
+        (plugins::NOOP, &[][..], &[][..]),
+        (plugins::HOSTILE_ESCAPE, &["report"][..], &[][..]),
+    ] {
+        let wasm = std::fs::read(path).unwrap();
+        let declared = idem::plugins::grants::read_declaration(&wasm)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{path} has no declaration"));
+        assert_eq!(declared.providers, providers, "{path}");
+        assert_eq!(declared.enqueues, enqueues, "{path}");
+    }
+    let wasm = std::fs::read(plugins::HOSTILE_FORBIDDEN_IMPORT).unwrap();
+    assert_eq!(
+        idem::plugins::grants::read_declaration(&wasm).unwrap(),
+        None,
+        "built without the SDK: nothing declared"
+    );
+}
+
+#[test]
+fn a_malformed_declaration_is_a_load_error_naming_the_section() {
+    let bad = noop_with_declaration_bytes(b"\"enqueues\"", b"\"enqueuez\"");
+    let error = load_bytes("noop", &bad, None).unwrap_err();
+    assert!(error.contains("idem-plugin-manifest"), "{error}");
+    assert!(error.contains("unknown field"), "{error}");
+    let future = noop_with_declaration_bytes(b"\"v\":1", b"\"v\":7");
+    let error = load_bytes("noop", &future, None).unwrap_err();
+    assert!(error.contains("version 7"), "{error}");
+    // The registry names the file.
+    let (dir, registry) = idem_tests::registry_copy();
+    std::fs::write(dir.path().join("noop.wasm"), &bad).unwrap();
     let report = registry.refresh();
-    assert_eq!(report.removed, ["noop"]);
+    assert!(
+        report
+            .errors
+            .iter()
+            .any(|(path, why)| path.ends_with("noop.wasm") && why.contains("idem-plugin-manifest")),
+        "{:?}",
+        report.errors
+    );
+}
+
+#[test]
+fn an_oversized_or_repeated_declaration_is_refused() {
+    let renamed = noop_with_declaration_bytes(b"manifest{", b"manifesX{");
+    let huge = vec![b' '; idem_sdk::declaration::MAX_SECTION_LEN + 1];
+    let oversized = with_custom_section(renamed, "idem-plugin-manifest", &huge);
+    let error = load_bytes("noop", &oversized, None).unwrap_err();
+    assert!(error.contains("at most"), "{error}");
+    let twice = with_custom_section(
+        std::fs::read(plugins::NOOP).unwrap(),
+        "idem-plugin-manifest",
+        br#"{"v":1,"providers":["email"],"enqueues":[]}"#,
+    );
+    let error = load_bytes("noop", &twice, None).unwrap_err();
+    assert!(error.contains("appears 2 times"), "{error}");
+}
+
+#[test]
+fn the_operator_file_narrows_and_never_widens_the_declaration() {
+    let wasm = std::fs::read(plugins::SEND_INVOICE_EMAIL).unwrap();
+    let narrowed = load_bytes("send_invoice_email", &wasm, Some("providers = []")).unwrap();
+    assert!(!narrowed.grants.allows_provider("email"));
+    assert!(narrowed.grants.is_narrowed());
+    let error = load_bytes(
+        "send_invoice_email",
+        &wasm,
+        Some("providers = [\"email\", \"partner\"]"),
+    )
+    .unwrap_err();
+    assert!(error.contains("\"partner\""), "{error}");
+    assert!(error.contains("can only narrow"), "{error}");
+}
+
+#[test]
+fn a_component_without_a_declaration_takes_its_grants_from_the_operator_file() {
+    let undeclared = noop_with_declaration_bytes(b"manifest{", b"manifesX{");
+    let bare = load_bytes("legacy", &undeclared, None).unwrap();
+    assert_eq!(bare.grants.declared(), None);
+    assert!(!bare.grants.allows_provider("email"));
+    let granted = load_bytes("legacy", &undeclared, Some("providers = [\"email\"]")).unwrap();
+    assert!(granted.grants.allows_provider("email"));
 }

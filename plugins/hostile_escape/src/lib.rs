@@ -11,7 +11,7 @@ fn outcome<T>(result: std::io::Result<T>) -> String {
     }
 }
 
-#[plugin]
+#[plugin(providers = ["report"])]
 pub fn handle(_job: Job<serde::de::IgnoredAny>) -> Result<Vec<Effect>, JobError> {
     let report = json!({
         "file": outcome(std::fs::read("/etc/passwd")),

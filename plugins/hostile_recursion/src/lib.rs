@@ -10,5 +10,8 @@ fn deeper(n: u64) -> u64 {
 #[plugin]
 pub fn handle(_job: Job<serde::de::IgnoredAny>) -> Result<Vec<Effect>, JobError> {
     let depth = deeper(0);
-    Err(JobError::permanent("unreachable", format!("returned from depth {depth}")))
+    Err(JobError::permanent(
+        "unreachable",
+        format!("returned from depth {depth}"),
+    ))
 }

@@ -9,12 +9,18 @@
 //! - [`plugins`]: `idem plugins list|check` and `idem invoke`.
 //! - [`queue`]: `idem migrate|enqueue|run|stats`.
 //! - [`dlq`]: `idem dlq list|show|replay`.
-//! - [`server`]: `idem provider-server`.
+//! - [`bench`]: `idem bench`, throughput and latency on a clean store.
+//! - `server`: `idem provider-server` (only with the default `provider-server`
+//!   feature).
+//! - [`signal`]: Ctrl-C / SIGTERM for the long-running commands.
 
+pub mod bench;
 pub mod dlq;
 pub mod plugins;
 pub mod queue;
+#[cfg(feature = "provider-server")]
 pub mod server;
+pub mod signal;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -88,6 +94,9 @@ pub enum Command {
     Enqueue(queue::EnqueueArgs),
     /// Run the worker: claim jobs, run plugins, carry out effects.
     Run(queue::RunArgs),
+    /// Measure throughput and pickup latency on a clean store (a fresh
+    /// SQLite file, or a fresh schema of a `--database-url postgres://...`).
+    Bench(bench::BenchArgs),
     /// Job counts per state, as JSON.
     Stats {
         /// Only this queue.
@@ -98,6 +107,7 @@ pub enum Command {
     #[command(subcommand)]
     Dlq(dlq::DlqCommand),
     /// Run the local idempotent provider server (for demos and tests).
+    #[cfg(feature = "provider-server")]
     ProviderServer(server::ProviderServerArgs),
 }
 
@@ -113,10 +123,55 @@ pub enum PluginsCommand {
     },
 }
 
+/// The `idem` program: parses the arguments, sets up logging, runs the
+/// command and exits with its documented code (printing the error chain).
+///
+/// ```no_run
+/// // src/main.rs of a binary that is `idem`:
+/// idem::cli::main()
+/// ```
+pub fn main() -> ! {
+    let cli = Cli::parse();
+    init_logging(&cli.log);
+    let code = match try_main(cli) {
+        Ok(()) => 0,
+        Err(error) => {
+            if !matches!(error, CliError::Failed(_)) {
+                eprintln!("error: {error}");
+                let mut source = std::error::Error::source(&error);
+                while let Some(cause) = source {
+                    eprintln!("  caused by: {cause}");
+                    source = cause.source();
+                }
+            } else {
+                eprintln!("{error}");
+            }
+            error.exit_code()
+        }
+    };
+    std::process::exit(code);
+}
+
+fn try_main(cli: Cli) -> Result<(), CliError> {
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| CliError::Runtime(e.into()))?;
+    runtime.block_on(run(cli))
+}
+
+fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// Runs a parsed command line.
 pub async fn run(cli: Cli) -> Result<(), CliError> {
     let mut config = crate::config::Config::load(cli.config.as_deref())
         .map_err(|e| CliError::Usage(e.to_string()))?;
+    let explicit_url = cli.database_url.clone();
     if let Some(url) = cli.database_url {
         config.database_url = url;
     }
@@ -132,10 +187,14 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             payload,
             key,
         } => plugins::invoke(&config, &plugins_dir, &plugin, &payload, key).await,
+        #[cfg(feature = "provider-server")]
         Command::ProviderServer(args) => server::run(args).await,
         Command::Migrate => queue::migrate(&config).await,
         Command::Enqueue(args) => queue::enqueue(&config, &plugins_dir, args).await,
         Command::Run(args) => queue::run(&config, &plugins_dir, args).await,
+        Command::Bench(args) => {
+            bench::run(&config, &plugins_dir, explicit_url.as_deref(), args).await
+        }
         Command::Stats { queue } => queue::stats(&config, queue.as_deref()).await,
         Command::Dlq(command) => dlq::run(&config, command).await,
     }

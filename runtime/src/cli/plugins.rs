@@ -2,9 +2,13 @@
 
 use super::CliError;
 use crate::config::Config;
+use crate::effects::Effect;
+use crate::failure::{Code, ErrorClass};
 use crate::plugins::{LoadedPlugin, PluginRegistry, registry::load_file};
-use crate::sandbox::{JobInput, Sandbox, SandboxConfig};
+use crate::providers::JOBS_PROVIDER;
+use crate::sandbox::{JobInput, RunError, Sandbox, SandboxConfig};
 use serde_json::json;
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -48,33 +52,113 @@ pub fn list(config: &Config, dir: &Path) -> Result<(), CliError> {
         eprintln!("no plugins loaded from {}", dir.display());
     }
     println!(
-        "{:<28} {:<14} {:>9} {:>9} {:>8} {:>8}  providers",
-        "NAME", "HASH", "SIZE", "DEADLINE", "MEMORY", "EFFECTS"
+        "{:<28} {:<14} {:>9} {:>9} {:>8} {:>8}  {:<36} GRANTED",
+        "NAME", "HASH", "SIZE", "DEADLINE", "MEMORY", "EFFECTS", "DECLARED"
     );
     for plugin in plugins {
         let limits = plugin.compiled.limits;
-        let providers = plugin
-            .manifest
-            .providers
-            .as_deref()
-            .unwrap_or_default()
-            .join(",");
+        let grants = &plugin.grants;
+        let declared = match grants.declared() {
+            Some(d) => compact(
+                d.providers.iter().map(String::as_str),
+                d.enqueues.iter().map(String::as_str),
+            ),
+            None => "undeclared".to_string(),
+        };
+        let mut granted = compact(grants.providers(), grants.enqueues());
+        if grants.declared().is_none() {
+            granted.push_str(" (operator file)");
+        } else if grants.is_narrowed() {
+            granted.push_str(" (narrowed)");
+        }
         println!(
-            "{:<28} {:<14} {:>9} {:>9} {:>8} {:>8}  {}",
+            "{:<28} {:<14} {:>9} {:>9} {:>8} {:>8}  {:<36} {}",
             plugin.name(),
             plugin.hash().short(),
             plugin.compiled.size,
             humantime::format_duration(limits.deadline).to_string(),
             format!("{}MiB", limits.memory >> 20),
             limits.output.max_effects,
-            if providers.is_empty() {
-                "-"
-            } else {
-                &providers
-            },
+            declared,
+            granted,
         );
     }
     Ok(())
+}
+
+/// `partner,jobs[send_invoice_email]`: providers, with the child plugins
+/// after `jobs`; `-` for nothing.
+fn compact<'a>(
+    providers: impl Iterator<Item = &'a str>,
+    enqueues: impl Iterator<Item = &'a str>,
+) -> String {
+    let enqueues: Vec<&str> = enqueues.collect();
+    let providers: Vec<String> = providers
+        .map(|p| {
+            if p == JOBS_PROVIDER {
+                format!("{p}[{}]", enqueues.join(","))
+            } else {
+                p.to_string()
+            }
+        })
+        .collect();
+    if providers.is_empty() {
+        "-".to_string()
+    } else {
+        providers.join(",")
+    }
+}
+
+/// `providers = ["a", "b"], enqueues = []`
+fn lists<'a>(
+    providers: impl Iterator<Item = &'a str>,
+    enqueues: impl Iterator<Item = &'a str>,
+) -> String {
+    let quoted = |names: Vec<&str>| {
+        names
+            .iter()
+            .map(|n| format!("{n:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "providers = [{}], enqueues = [{}]",
+        quoted(providers.collect()),
+        quoted(enqueues.collect())
+    )
+}
+
+/// The declared and effective grants, as `plugins check` prints them.
+fn describe_grants(plugin: &LoadedPlugin) -> String {
+    let grants = &plugin.grants;
+    let file = plugin.manifest_file();
+    let file_name = format!("{}.toml", plugin.name());
+    let granted = lists(grants.providers(), grants.enqueues());
+    match grants.declared() {
+        Some(declared) => {
+            let source = match (&file, grants.is_narrowed()) {
+                (None, _) => format!("all it declares; no {file_name}"),
+                (Some(_), false) => format!("all it declares; {file_name} narrows nothing"),
+                (Some(_), true) => format!("narrowed by {file_name}"),
+            };
+            format!(
+                "declared: {}\ngranted:  {granted} ({source})",
+                lists(
+                    declared.providers.iter().map(String::as_str),
+                    declared.enqueues.iter().map(String::as_str)
+                )
+            )
+        }
+        None => format!(
+            "declared: nothing readable (no {} section: built without #[idem_sdk::plugin(..)] or with an older SDK)\ngranted:  {granted} ({})",
+            idem_sdk::declaration::SECTION,
+            if file.is_some() {
+                format!("from {file_name} alone")
+            } else {
+                format!("nothing: no {file_name} grants anything")
+            }
+        ),
+    }
 }
 
 /// `idem plugins check FILE`
@@ -89,6 +173,7 @@ pub fn check(config: &Config, file: &Path) -> Result<(), CliError> {
                 plugin.hash(),
                 plugin.compiled.size
             );
+            println!("{}", describe_grants(&plugin));
             Ok(())
         }
         Err(error) => {
@@ -102,7 +187,9 @@ pub fn check(config: &Config, file: &Path) -> Result<(), CliError> {
 }
 
 /// `idem invoke PLUGIN --payload JSON`: prints `{"effects": [...]}` (exit 0)
-/// or `{"error": {...}}` (exit 1). Nothing is executed.
+/// or `{"error": {...}}` (exit 1). Nothing is executed. Effects outside the
+/// plugin's grants are the error a worker would record
+/// (`effect_not_allowed`, with `not_granted` listing each and what to add).
 pub async fn invoke(
     config: &Config,
     dir: &Path,
@@ -147,10 +234,41 @@ pub async fn invoke(
         .map_err(|e| CliError::Runtime(e.into()))?;
     match outcome {
         Ok(effects) => {
+            let refusals = plugin.grants.refusals(&effects);
+            if let Some(first) = refusals.first() {
+                println!(
+                    "{}",
+                    json!({
+                        "effects": effects,
+                        "error": {
+                            "class": ErrorClass::Permanent,
+                            "code": Code::EffectNotAllowed.as_str(),
+                            "message": first.to_string(),
+                            "not_granted": refusals.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        },
+                    })
+                );
+                let mut message = format!(
+                    "{name} returned effects it is not granted: a worker would dead-letter the job with {} and execute nothing:",
+                    Code::EffectNotAllowed
+                );
+                for refusal in &refusals {
+                    message.push_str(&format!("\n  {refusal}"));
+                }
+                return Err(CliError::Failed(message));
+            }
+            for provider in unconfigured(config, &effects) {
+                eprintln!(
+                    "warning: no provider {provider:?} is configured ([providers.{provider}] in idem.toml): `idem run` with this configuration fails such effects with provider_not_configured"
+                );
+            }
             println!("{}", json!({ "effects": effects }));
             Ok(())
         }
-        Err(failure) => {
+        Err(RunError::Unavailable(why)) => Err(CliError::Runtime(anyhow::anyhow!(
+            "no sandbox instance is free: {why}"
+        ))),
+        Err(RunError::Plugin(failure)) => {
             println!(
                 "{}",
                 json!({ "error": {
@@ -163,4 +281,13 @@ pub async fn invoke(
             Err(CliError::Failed(format!("{name} failed: {}", failure.code)))
         }
     }
+}
+
+/// Providers the effects use that the configuration does not define.
+fn unconfigured<'a>(config: &Config, effects: &'a [Effect]) -> BTreeSet<&'a str> {
+    effects
+        .iter()
+        .map(|e| e.provider.as_str())
+        .filter(|p| *p != JOBS_PROVIDER && !config.providers.contains_key(*p))
+        .collect()
 }

@@ -7,6 +7,7 @@ use crate::providers::Providers;
 use crate::queue::{Worker, WorkerSettings};
 use crate::store::{JobState, NewJob, Store};
 use serde_json::json;
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,14 +24,26 @@ pub async fn store(config: &Config) -> Result<Arc<dyn Store>, CliError> {
     })
 }
 
-/// Hides a password in a database URL.
-fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => match url[scheme + 3..at].split_once(':') {
-            Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-            None => url.to_string(),
+/// Hides the password of a database URL for messages; a URL without one is
+/// shown as given.
+fn redact_url(text: &str) -> String {
+    match url::Url::parse(text) {
+        Ok(mut parsed) if parsed.password().is_some() => match parsed.set_password(Some("***")) {
+            Ok(()) => parsed.to_string(),
+            Err(()) => hide_all_but_scheme(text),
         },
-        _ => url.to_string(),
+        Ok(_) => text.to_string(),
+        // sqlx may still make sense of a URL the parser refuses: show nothing of
+        // it that could be a password.
+        Err(_) if text.contains('@') => hide_all_but_scheme(text),
+        Err(_) => text.to_string(),
+    }
+}
+
+fn hide_all_but_scheme(text: &str) -> String {
+    match text.split_once("://") {
+        Some((scheme, _)) => format!("{scheme}://***"),
+        None => "***".to_string(),
     }
 }
 
@@ -48,11 +61,20 @@ pub async fn migrate(config: &Config) -> Result<(), CliError> {
 /// Arguments of `idem enqueue`.
 #[derive(Debug, clap::Args)]
 pub struct EnqueueArgs {
-    /// Plugin that handles the job.
-    pub plugin: String,
+    /// Plugin that handles the job (with --batch: for lines that name none).
+    #[arg(required_unless_present = "batch")]
+    pub plugin: Option<String>,
     /// Payload (JSON).
-    #[arg(long, required_unless_present = "payload_file")]
+    #[arg(long, required_unless_present_any = ["payload_file", "batch"])]
     pub payload: Option<String>,
+    /// Enqueue many jobs from NDJSON (one job per line, `-` for stdin) in
+    /// batched transactions; prints one job id per line, in input order.
+    /// Each line: {"plugin": .., "payload": {..}, "key": .., "queue": ..,
+    /// "delay": "30s", "priority": 0, "max_attempts": 5, "correlation_id": ..};
+    /// flags give the defaults. Every line is checked before anything is
+    /// inserted.
+    #[arg(long, conflicts_with_all = ["payload", "payload_file", "key"])]
+    pub batch: Option<std::path::PathBuf>,
     /// Read the payload (JSON) from a file instead.
     #[arg(long, conflicts_with = "payload")]
     pub payload_file: Option<std::path::PathBuf>,
@@ -82,6 +104,13 @@ pub async fn enqueue(
     plugins_dir: &Path,
     args: EnqueueArgs,
 ) -> Result<(), CliError> {
+    if args.batch.is_some() {
+        return enqueue_batch(config, plugins_dir, args).await;
+    }
+    let plugin = args
+        .plugin
+        .clone()
+        .ok_or_else(|| CliError::Usage("name the plugin".into()))?;
     let payload = match (&args.payload, &args.payload_file) {
         (Some(payload), _) => payload.clone(),
         (None, Some(path)) => std::fs::read_to_string(path).map_err(|e| {
@@ -104,16 +133,12 @@ pub async fn enqueue(
     if let Some(key) = &args.key {
         idem_sdk::key::validate(key).map_err(|e| CliError::Usage(format!("--key: {e}")))?;
     }
-    let manifest_path = plugins_dir.join(format!("{}.toml", args.plugin));
-    let manifest_attempts = std::fs::read_to_string(&manifest_path)
-        .ok()
-        .and_then(|text| Manifest::parse(&text).ok())
-        .and_then(|m| m.max_attempts);
+    let manifest_attempts = manifest_attempts(plugins_dir, &plugin);
     let store = store(config).await?;
     let enqueued = store
         .job_insert(NewJob {
             queue: args.queue,
-            plugin: args.plugin,
+            plugin,
             payload: payload.into_bytes(),
             idempotency_key: args.key,
             priority: args.priority,
@@ -133,6 +158,113 @@ pub async fn enqueue(
         eprintln!("a job with this key exists already: job {}", enqueued.id);
     }
     println!("{}", enqueued.id);
+    Ok(())
+}
+
+/// The operator file's `max_attempts` for a plugin, if it sets one.
+fn manifest_attempts(plugins_dir: &Path, plugin: &str) -> Option<u32> {
+    let path = plugins_dir.join(format!("{plugin}.toml"));
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| Manifest::parse(&text).ok())
+        .and_then(|m| m.max_attempts)
+}
+
+/// One line of `idem enqueue --batch`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchLine {
+    plugin: Option<String>,
+    payload: serde_json::Value,
+    key: Option<String>,
+    queue: Option<String>,
+    #[serde(default, with = "humantime_serde::option")]
+    delay: Option<Duration>,
+    priority: Option<i32>,
+    max_attempts: Option<u32>,
+    correlation_id: Option<String>,
+}
+
+/// Jobs per transaction of `idem enqueue --batch`.
+const BATCH_CHUNK: usize = 10_000;
+
+/// `idem enqueue --batch FILE`
+async fn enqueue_batch(
+    config: &Config,
+    plugins_dir: &Path,
+    args: EnqueueArgs,
+) -> Result<(), CliError> {
+    let source = args.batch.clone().unwrap_or_default();
+    let text = if source.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())
+            .map_err(|e| CliError::Usage(format!("cannot read the batch from stdin: {e}")))?
+    } else {
+        std::fs::read_to_string(&source).map_err(|e| {
+            CliError::Usage(format!("cannot read --batch {}: {e}", source.display()))
+        })?
+    };
+    let mut attempts = std::collections::HashMap::new();
+    let mut jobs = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let at = |why: String| CliError::Usage(format!("--batch line {}: {why}", n + 1));
+        let parsed: BatchLine =
+            serde_json::from_str(line).map_err(|e| at(format!("not a job: {e}")))?;
+        let plugin = parsed
+            .plugin
+            .or_else(|| args.plugin.clone())
+            .ok_or_else(|| at("no plugin (name one in the line or on the command line)".into()))?;
+        if let Some(key) = &parsed.key {
+            idem_sdk::key::validate(key).map_err(|e| at(format!("key: {e}")))?;
+        }
+        let manifest = *attempts
+            .entry(plugin.clone())
+            .or_insert_with(|| manifest_attempts(plugins_dir, &plugin));
+        let job = NewJob {
+            queue: parsed.queue.unwrap_or_else(|| args.queue.clone()),
+            plugin,
+            payload: serde_json::to_vec(&parsed.payload).map_err(|e| at(e.to_string()))?,
+            idempotency_key: parsed.key,
+            priority: parsed.priority.unwrap_or(args.priority),
+            delay: parsed.delay.or(args.delay).unwrap_or_default(),
+            max_attempts: parsed
+                .max_attempts
+                .or(args.max_attempts)
+                .or(manifest)
+                .unwrap_or(config.worker.max_attempts),
+            correlation_id: parsed
+                .correlation_id
+                .or_else(|| args.correlation_id.clone()),
+        };
+        crate::store::check_new_job(&job).map_err(|e| at(e.to_string()))?;
+        jobs.push(job);
+    }
+    let store = store(config).await?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut existing = 0usize;
+    let total = jobs.len();
+    let mut jobs = jobs.into_iter();
+    loop {
+        let chunk: Vec<NewJob> = jobs.by_ref().take(BATCH_CHUNK).collect();
+        if chunk.is_empty() {
+            break;
+        }
+        let enqueued = store
+            .job_insert_many(chunk)
+            .await
+            .map_err(|e| CliError::Runtime(e.into()))?;
+        for job in enqueued {
+            existing += usize::from(!job.inserted);
+            writeln!(out, "{}", job.id).map_err(|e| CliError::Runtime(e.into()))?;
+        }
+    }
+    out.flush().map_err(|e| CliError::Runtime(e.into()))?;
+    if existing > 0 {
+        eprintln!("{existing} of {total} jobs existed already (same plugin and key)");
+    }
     Ok(())
 }
 
@@ -189,11 +321,11 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
             config.sandbox.max_instances
         )));
     }
-    tracing::info!(worker = %settings.id, backend = store.backend(), queues = ?settings.queues, "worker starting");
+    tracing::info!(worker = %settings.id, backend = %store.backend(), queues = ?settings.queues, "worker starting");
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
     tokio::spawn(async move {
-        super::server::shutdown_signal().await;
+        super::signal::shutdown_signal().await;
         tracing::info!("shutdown requested");
         signal.cancel();
     });
@@ -262,5 +394,19 @@ mod tests {
             "postgres://u:***@h/db"
         );
         assert_eq!(super::redact_url("sqlite://idem.db"), "sqlite://idem.db");
+        // The last `@` ends the user info, so a password may contain one.
+        assert_eq!(
+            super::redact_url("postgres://u:p@ss@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
+        for plain in [
+            "postgres://u@h/db",
+            "postgres://h/db?sslmode=disable",
+            "sqlite:idem.db",
+        ] {
+            assert_eq!(super::redact_url(plain), plain);
+        }
+        let unparsable = super::redact_url("postgres://u:secret@h:port/db");
+        assert!(!unparsable.contains("secret"), "{unparsable}");
     }
 }

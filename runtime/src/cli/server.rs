@@ -1,7 +1,8 @@
-//! `idem provider-server`
+//! `idem provider-server`: runs the `idem-provider-server` dev tool, which
+//! lives in its own crate so the runtime library does not carry it.
 
-use super::CliError;
-use crate::provider_server::{ProviderServerConfig, serve};
+use super::{CliError, signal::shutdown_signal};
+use idem_provider_server::{ProviderServerConfig, serve};
 
 /// Arguments of `idem provider-server`.
 #[derive(Debug, clap::Args)]
@@ -35,27 +36,4 @@ pub async fn run(args: ProviderServerArgs) -> Result<(), CliError> {
     serve(listener, config, shutdown_signal())
         .await
         .map_err(|e| CliError::Runtime(e.into()))
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(term) => term,
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

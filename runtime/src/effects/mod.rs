@@ -1,14 +1,12 @@
 //! Effects as the host sees them: what a plugin asked for, validated and
-//! serialisable, so a plan can be stored before the first effect runs.
-//!
-//! # Layout
-//! - this module: [`Effect`], [`Action`] and the plan checks ([`check_plan`]).
-//! - [`executor`]: carrying a stored plan out through the ledger and providers.
+//! serialisable, so a plan can be stored before the first effect runs. The
+//! vocabulary only (effect, plan checks, fingerprint): the sandbox, the
+//! providers and the queue use it; it uses none of them. The plan is carried
+//! out by `queue::executor`.
 
-pub mod executor;
-
-use crate::failure::Failure;
+use crate::failure::{Code, Failure};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 /// One business effect: a provider, an idempotency key and an action.
 ///
@@ -149,6 +147,23 @@ impl Effect {
     }
 }
 
+/// SHA-256 of the provider and action: the identity of a request, so one key
+/// reused for a different request is detected.
+///
+/// ```
+/// use idem::effects::{Action, Effect, fingerprint};
+/// let e = Effect { provider: "p".into(), idempotency_key: "k".into(), action: Action::Custom { body: vec![] } };
+/// assert_eq!(fingerprint(&e).len(), 64);
+/// ```
+pub fn fingerprint(effect: &Effect) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(effect.provider.as_bytes());
+    hasher.update([0]);
+    // serde_json writes struct fields in declaration order: stable across runs.
+    hasher.update(serde_json::to_vec(&effect.action).unwrap_or_default());
+    hex::encode(hasher.finalize())
+}
+
 /// Caps on what one plugin call may return.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutputLimits {
@@ -178,8 +193,8 @@ impl Default for OutputLimits {
 /// ```
 pub fn check_plan(effects: &[Effect], limits: &OutputLimits) -> Result<(), Failure> {
     if effects.len() > limits.max_effects {
-        return Err(Failure::permanent(
-            "plugin_output_too_large",
+        return Err(Failure::host(
+            Code::PluginOutputTooLarge,
             format!(
                 "the plugin returned {} effects, at most {} allowed",
                 effects.len(),
@@ -189,8 +204,8 @@ pub fn check_plan(effects: &[Effect], limits: &OutputLimits) -> Result<(), Failu
     }
     let bytes: usize = effects.iter().map(Effect::size).sum();
     if bytes > limits.max_bytes {
-        return Err(Failure::permanent(
-            "plugin_output_too_large",
+        return Err(Failure::host(
+            Code::PluginOutputTooLarge,
             format!(
                 "the plugin returned {bytes} bytes of effects, at most {} allowed",
                 limits.max_bytes
@@ -200,8 +215,8 @@ pub fn check_plan(effects: &[Effect], limits: &OutputLimits) -> Result<(), Failu
     let mut seen = std::collections::HashSet::with_capacity(effects.len());
     for effect in effects {
         if let Err(why) = idem_sdk::key::validate(&effect.idempotency_key) {
-            return Err(Failure::permanent(
-                "invalid_idempotency_key",
+            return Err(Failure::host(
+                Code::InvalidIdempotencyKey,
                 format!(
                     "{why}: {:?}",
                     crate::failure::truncate(effect.idempotency_key.clone(), 80)
@@ -209,8 +224,8 @@ pub fn check_plan(effects: &[Effect], limits: &OutputLimits) -> Result<(), Failu
             ));
         }
         if !seen.insert(effect.idempotency_key.as_str()) {
-            return Err(Failure::permanent(
-                "duplicate_idempotency_key",
+            return Err(Failure::host(
+                Code::DuplicateIdempotencyKey,
                 format!(
                     "two effects in one plan share the key {:?}",
                     effect.idempotency_key
@@ -218,8 +233,8 @@ pub fn check_plan(effects: &[Effect], limits: &OutputLimits) -> Result<(), Failu
             ));
         }
         if effect.provider.is_empty() {
-            return Err(Failure::permanent(
-                "invalid_effect",
+            return Err(Failure::host(
+                Code::InvalidEffect,
                 format!("effect {:?} names no provider", effect.idempotency_key),
             ));
         }

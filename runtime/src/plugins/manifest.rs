@@ -1,4 +1,6 @@
-//! The optional sidecar manifest `<plugin>.toml` beside `<plugin>.wasm`.
+//! The optional operator file (sidecar manifest) `<plugin>.toml` beside
+//! `<plugin>.wasm`: limits, attempts, lease and backoff, and grants that
+//! narrow what the plugin declares (see [`super::grants`]).
 //!
 //! ```toml
 //! deadline = "10s"        # wall-clock limit of one call
@@ -10,7 +12,8 @@
 //! lease = "5m"            # how long a claim lasts without a heartbeat
 //! backoff_base = "5s"
 //! backoff_max = "15m"
-//! providers = ["email"]   # providers the plugin may use
+//! providers = ["email"]   # narrows the providers the plugin declares
+//! enqueues = []           # narrows the child plugins it declares
 //! ```
 
 use crate::effects::OutputLimits;
@@ -24,7 +27,7 @@ use std::time::Duration;
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
     /// Wall-clock deadline of one call (humantime, e.g. `"10s"`).
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "humantime_serde::option")]
     pub deadline: Option<Duration>,
     /// Fuel budget of one call.
     pub fuel: Option<u64>,
@@ -37,16 +40,20 @@ pub struct Manifest {
     /// Attempts before the job is dead-lettered.
     pub max_attempts: Option<u32>,
     /// Lease length of a claim.
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "humantime_serde::option")]
     pub lease: Option<Duration>,
     /// Backoff base delay.
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "humantime_serde::option")]
     pub backoff_base: Option<Duration>,
     /// Backoff cap.
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "humantime_serde::option")]
     pub backoff_max: Option<Duration>,
-    /// Providers this plugin may use (`None`: none granted).
+    /// Narrows the providers the plugin declares (`None`: all it declares).
+    /// For a component that declares nothing, the providers it may use.
     pub providers: Option<Vec<String>>,
+    /// Narrows the child plugins the plugin declares (`None`: all it declares).
+    /// For a component that declares nothing, the plugins it may enqueue.
+    pub enqueues: Option<Vec<String>>,
 }
 
 /// A manifest that cannot be used.
@@ -83,6 +90,16 @@ impl Manifest {
                 "max_attempts must be at least 1".into(),
             ));
         }
+        for (list, names) in [
+            ("providers", &manifest.providers),
+            ("enqueues", &manifest.enqueues),
+        ] {
+            for name in names.iter().flatten() {
+                idem_sdk::declaration::validate_name(name).map_err(|why| {
+                    ManifestError::Invalid(format!("{list}: invalid name {name:?}: {why}"))
+                })?;
+            }
+        }
         Ok(manifest)
     }
 
@@ -101,34 +118,6 @@ impl Manifest {
                 max_effects: self.max_effects.unwrap_or(output.max_effects),
                 max_bytes: self.max_output_bytes.unwrap_or(output.max_bytes),
             },
-        }
-    }
-
-    /// Whether the plugin may use `provider`.
-    pub fn allows(&self, provider: &str) -> bool {
-        self.providers
-            .as_ref()
-            .is_some_and(|granted| granted.iter().any(|p| p == provider))
-    }
-}
-
-mod opt_duration {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        match Option::<String>::deserialize(d)? {
-            Some(text) => humantime::parse_duration(&text)
-                .map(Some)
-                .map_err(|e| serde::de::Error::custom(format!("{text:?}: {e}"))),
-            None => Ok(None),
         }
     }
 }
@@ -159,9 +148,13 @@ mod tests {
     }
 
     #[test]
-    fn providers_are_denied_unless_granted() {
-        assert!(!Manifest::default().allows("email"));
-        let m = Manifest::parse("providers = [\"email\"]").unwrap();
-        assert!(m.allows("email") && !m.allows("partner"));
+    fn grant_lists_hold_valid_names() {
+        let m = Manifest::parse("providers = [\"email\"]\nenqueues = []").unwrap();
+        assert_eq!(m.providers.as_deref(), Some(&["email".to_string()][..]));
+        assert_eq!(m.enqueues.as_deref(), Some(&[][..]));
+        let error = Manifest::parse("enqueues = [\"a b\"]")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("enqueues"), "{error}");
     }
 }

@@ -1,5 +1,6 @@
 //! Loading the plugins folder and keeping it current.
 
+use super::grants::{self, Grants};
 use super::manifest::Manifest;
 use crate::sandbox::{CompiledPlugin, ContentHash, Sandbox};
 use std::collections::HashMap;
@@ -7,13 +8,15 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-/// One loaded plugin: the compiled component and its manifest.
+/// One loaded plugin: the compiled component, its manifest and its grants.
 #[derive(Debug, Clone)]
 pub struct LoadedPlugin {
     /// Compiled and linked component.
     pub compiled: CompiledPlugin,
     /// The manifest (defaults when there is no sidecar file).
     pub manifest: Manifest,
+    /// What the plugin declares, narrowed by the manifest: decides every effect.
+    pub grants: Grants,
     /// Where the `.wasm` was read from.
     pub path: PathBuf,
     manifest_text: Option<String>,
@@ -28,6 +31,18 @@ impl LoadedPlugin {
     /// Content hash of the `.wasm`.
     pub fn hash(&self) -> &ContentHash {
         &self.compiled.hash
+    }
+
+    /// The operator file `<name>.toml` beside the `.wasm`, when there is one.
+    ///
+    /// ```no_run
+    /// # let plugin: idem::plugins::LoadedPlugin = todo!();
+    /// if let Some(file) = plugin.manifest_file() { println!("narrowed by {}", file.display()); }
+    /// ```
+    pub fn manifest_file(&self) -> Option<PathBuf> {
+        self.manifest_text
+            .as_ref()
+            .map(|_| self.path.with_extension("toml"))
     }
 }
 
@@ -59,6 +74,9 @@ pub enum LoadError {
     /// The manifest is invalid.
     #[error(transparent)]
     Manifest(#[from] super::ManifestError),
+    /// The declaration is malformed, or the manifest widens it.
+    #[error(transparent)]
+    Grants(#[from] super::GrantsError),
 }
 
 /// The plugins of one folder, by name.
@@ -241,9 +259,19 @@ pub fn load(
         None => Manifest::default(),
     };
     let compiled = sandbox.load(name, wasm, manifest.limits())?;
+    let declared = grants::read_declaration(wasm)?;
+    if declared.is_none() {
+        tracing::warn!(
+            plugin = %name,
+            "the plugin declares nothing (no {} section): its grants come from {name}.toml alone; build it with #[plugin(providers = [..])]",
+            idem_sdk::declaration::SECTION
+        );
+    }
+    let grants = Grants::resolve(name, declared, &manifest)?;
     Ok(LoadedPlugin {
         compiled,
         manifest,
+        grants,
         path: path.to_path_buf(),
         manifest_text,
     })

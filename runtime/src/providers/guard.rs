@@ -3,10 +3,12 @@
 //! jobs are deferred instead of hammering a failing upstream.
 
 use super::config::GuardConfig;
-use crate::failure::{ErrorClass, Failure};
+use crate::failure::ErrorClass;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// tokio's clock, so tests move time with `tokio::time::pause` instead of sleeping.
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 /// The guard of one provider.
 ///
@@ -120,17 +122,20 @@ impl Guard {
     }
 
     /// Waits for a concurrency slot and a rate token, then asks the circuit:
-    /// when it is open, a retryable `circuit_open` failure with the time left.
+    /// when it is open, [`CircuitOpen`] with the time left.
     /// The breaker is consulted last, with no await between its answer and
     /// the permit, so a dropped waiter can never leave a half-open trial taken.
-    pub async fn enter(&self) -> Result<Permit<'_>, Failure> {
+    pub async fn enter(&self) -> Result<Permit<'_>, CircuitOpen> {
         if let Some(open) = self.open_for() {
             return Err(open);
         }
-        let slot =
-            self.slots.clone().acquire_owned().await.map_err(|_| {
-                Failure::retryable("provider_closed", "the provider is shutting down")
-            })?;
+        // The semaphore is never closed; a closed one would mean "not now".
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| open(Duration::from_secs(1)))?;
         while let Some(wait) = self
             .rate
             .as_ref()
@@ -148,7 +153,7 @@ impl Guard {
     }
 
     /// A cheap look before queueing for a slot: refuse at once while open.
-    fn open_for(&self) -> Option<Failure> {
+    fn open_for(&self) -> Option<CircuitOpen> {
         match *self.breaker.lock().expect("breaker poisoned") {
             Breaker::Open { until } if Instant::now() < until => Some(open(until - Instant::now())),
             _ => None,
@@ -157,7 +162,7 @@ impl Guard {
 
     /// Lets a caller through; `Ok(Some(generation))` when it takes the
     /// half-open trial.
-    fn admit(&self) -> Result<Option<u64>, Failure> {
+    fn admit(&self) -> Result<Option<u64>, CircuitOpen> {
         let mut breaker = self.breaker.lock().expect("breaker poisoned");
         match *breaker {
             Breaker::Closed { .. } => return Ok(None),
@@ -229,12 +234,17 @@ impl Guard {
     }
 }
 
-fn open(retry_after: Duration) -> Failure {
-    Failure::retryable(
-        "circuit_open",
-        "the provider's circuit is open after sustained failures",
-    )
-    .with_retry_after(Some(retry_after))
+/// The provider's circuit is open after sustained failures: not a failure of
+/// the job, which is deferred until `retry_after` without using an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the provider's circuit is open after sustained failures; retry in {retry_after:?}")]
+pub struct CircuitOpen {
+    /// When a call may be tried again.
+    pub retry_after: Duration,
+}
+
+fn open(retry_after: Duration) -> CircuitOpen {
+    CircuitOpen { retry_after }
 }
 
 #[cfg(test)]
@@ -249,7 +259,7 @@ mod tests {
         }
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_breaker_opens_after_sustained_failures_and_half_opens_after_the_cool_down() {
         let guard = Guard::new(&config(3, 100));
         for _ in 0..2 {
@@ -266,9 +276,13 @@ mod tests {
             .unwrap()
             .record(Err(ErrorClass::Ambiguous));
         let err = guard.enter().await.err().unwrap();
-        assert_eq!(err.code, "circuit_open");
-        assert!(err.retry_after.unwrap() <= Duration::from_millis(100));
-        tokio::time::sleep(Duration::from_millis(120)).await;
+        assert_eq!(err.retry_after, Duration::from_millis(100));
+        tokio::time::advance(Duration::from_millis(99)).await;
+        assert!(
+            guard.enter().await.is_err(),
+            "still open before the cool-down"
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
         let trial = guard.enter().await.unwrap();
         // Only one trial at a time.
         assert!(guard.enter().await.is_err());
@@ -276,7 +290,7 @@ mod tests {
         assert!(guard.enter().await.is_ok());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_waiter_dropped_while_queued_never_takes_the_half_open_trial() {
         let guard = Guard::new(&GuardConfig {
             concurrency: 1,
@@ -287,7 +301,7 @@ mod tests {
             .await
             .unwrap()
             .record(Err(ErrorClass::Retryable));
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(60)).await;
         let holder = guard.enter().await.unwrap();
         let queued = tokio::time::timeout(Duration::from_millis(20), guard.enter()).await;
         assert!(
@@ -295,11 +309,11 @@ mod tests {
             "the second caller waits for the slot and is dropped"
         );
         holder.record(Err(ErrorClass::Retryable));
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(60)).await;
         assert!(guard.enter().await.is_ok(), "the trial is still available");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn released_permits_teach_the_breaker_nothing() {
         let guard = Guard::new(&config(1, 50));
         for _ in 0..10 {
@@ -311,13 +325,13 @@ mod tests {
             .await
             .unwrap()
             .record(Err(ErrorClass::Retryable));
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(60)).await;
         // An unused trial goes back: the next caller gets it.
         guard.enter().await.unwrap().release();
         assert!(guard.enter().await.is_ok());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_stale_permit_cannot_decide_a_half_open_circuit() {
         let guard = Guard::new(&config(1, 50));
         let stale = guard.enter().await.unwrap();
@@ -326,7 +340,7 @@ mod tests {
             .await
             .unwrap()
             .record(Err(ErrorClass::Retryable));
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(60)).await;
         let trial = guard.enter().await.unwrap();
         stale.record(Ok(()));
         assert!(
@@ -337,7 +351,7 @@ mod tests {
         assert!(guard.enter().await.is_ok());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn permanent_failures_do_not_reset_the_failure_count() {
         let guard = Guard::new(&config(2, 1000));
         guard
@@ -358,7 +372,7 @@ mod tests {
         assert!(guard.is_open());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn permanent_failures_do_not_open_the_circuit() {
         let guard = Guard::new(&config(1, 1000));
         guard
@@ -369,7 +383,7 @@ mod tests {
         assert!(!guard.is_open());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_failed_trial_reopens_the_circuit() {
         let guard = Guard::new(&config(1, 50));
         guard
@@ -377,7 +391,7 @@ mod tests {
             .await
             .unwrap()
             .record(Err(ErrorClass::Retryable));
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(60)).await;
         guard
             .enter()
             .await
@@ -386,7 +400,7 @@ mod tests {
         assert!(guard.is_open());
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_rate_limit_spaces_calls() {
         let guard = Guard::new(&GuardConfig {
             rate_per_second: 20.0,
@@ -396,15 +410,16 @@ mod tests {
         for _ in 0..30 {
             guard.enter().await.unwrap().record(Ok(()));
         }
-        // 20 tokens up front, then 10 more at 20/s.
+        // 20 tokens up front, then 10 more at 20/s (paused time advances
+        // exactly by the waits).
+        let waited = started.elapsed();
         assert!(
-            started.elapsed() >= Duration::from_millis(400),
-            "{:?}",
-            started.elapsed()
+            waited >= Duration::from_millis(490) && waited <= Duration::from_millis(510),
+            "{waited:?}"
         );
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_concurrency_limit_holds() {
         let guard = Arc::new(Guard::new(&GuardConfig {
             concurrency: 2,

@@ -7,7 +7,7 @@
 use super::config::{ProviderConfig, ProviderKind, ResultRef};
 use super::{Dedupe, Delivered, Provider};
 use crate::effects::{Action, Effect};
-use crate::failure::Failure;
+use crate::failure::{Code, Failure};
 use hmac::{Hmac, Mac};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use sha2::Sha256;
@@ -118,21 +118,21 @@ impl HttpProvider {
             ) => {
                 for (name, value) in extra {
                     if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
-                        return Err(Failure::permanent(
-                            "invalid_effect",
+                        return Err(Failure::host(
+                            Code::InvalidEffect,
                             format!("the header {name:?} is set by the host, not by plugins"),
                         ));
                     }
                     let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-                        Failure::permanent("invalid_effect", format!("bad header name {name:?}"))
+                        Failure::host(Code::InvalidEffect, format!("bad header name {name:?}"))
                     })?;
                     let value = HeaderValue::from_str(value)
-                        .map_err(|_| Failure::permanent("invalid_effect", "bad header value"))?;
+                        .map_err(|_| Failure::host(Code::InvalidEffect, "bad header value"))?;
                     headers.append(name, value);
                 }
                 let method = reqwest::Method::from_bytes(method.to_ascii_uppercase().as_bytes())
                     .map_err(|_| {
-                        Failure::permanent("invalid_effect", format!("bad method {method:?}"))
+                        Failure::host(Code::InvalidEffect, format!("bad method {method:?}"))
                     })?;
                 (method, path.clone(), body.clone().unwrap_or_default())
             }
@@ -173,12 +173,12 @@ impl HttpProvider {
                     HeaderValue::from_static("application/json"),
                 );
                 let body = serde_json::to_vec(&email)
-                    .map_err(|e| Failure::permanent("invalid_effect", e.to_string()))?;
+                    .map_err(|e| Failure::host(Code::InvalidEffect, e.to_string()))?;
                 (reqwest::Method::POST, "/emails".to_string(), body)
             }
             (action, kind) => {
-                return Err(Failure::permanent(
-                    "unsupported_action",
+                return Err(Failure::host(
+                    Code::UnsupportedAction,
                     format!(
                         "a {kind:?} provider cannot carry out a {} effect",
                         action.kind()
@@ -187,8 +187,8 @@ impl HttpProvider {
             }
         };
         if !path.is_empty() && !path.starts_with('/') {
-            return Err(Failure::permanent(
-                "invalid_effect",
+            return Err(Failure::host(
+                Code::InvalidEffect,
                 format!("path {path:?} must start with '/'"),
             ));
         }
@@ -198,14 +198,14 @@ impl HttpProvider {
             || lowered.contains("%2e")
             || path.contains('\\')
         {
-            return Err(Failure::permanent(
-                "invalid_effect",
+            return Err(Failure::host(
+                Code::InvalidEffect,
                 format!("path {path:?} leaves the provider's base URL"),
             ));
         }
         let key = HeaderValue::from_str(&effect.idempotency_key).map_err(|_| {
-            Failure::permanent(
-                "invalid_idempotency_key",
+            Failure::host(
+                Code::InvalidIdempotencyKey,
                 "the key is not a valid header value",
             )
         })?;
@@ -278,31 +278,32 @@ impl Provider for HttpProvider {
         }
         let code = provider_code(&body);
         let failure = match status.as_u16() {
-            409 if code.as_deref() == Some("idempotency_key_conflict") => Failure::permanent(
-                "idempotency_key_conflict",
+            409 if code.as_deref() == Some("idempotency_key_conflict") => Failure::host(
+                Code::IdempotencyKeyConflict,
                 "the provider saw this idempotency key before with a different request",
             ),
-            409 => Failure::retryable(
-                "provider_request_in_progress",
+            409 => Failure::host(
+                Code::ProviderRequestInProgress,
                 "the provider is still processing this key",
             ),
-            408 => Failure::retryable("provider_timeout", "the provider answered 408"),
-            429 => Failure::retryable("provider_rate_limited", "the provider answered 429"),
-            503 => Failure::retryable(
-                "provider_unavailable",
+            408 => Failure::host(Code::ProviderRequestTimeout, "the provider answered 408"),
+            429 => Failure::host(Code::ProviderRateLimited, "the provider answered 429"),
+            503 => Failure::host(
+                Code::ProviderUnavailable,
                 format!("the provider answered {status}"),
             ),
             // 500, 502 and 504 may come after the upstream did the work.
-            500..=599 => Failure::ambiguous(
-                "provider_error",
+            500..=599 => Failure::host(
+                Code::ProviderError,
                 format!("the provider answered {status}; the request may have taken effect"),
             ),
-            300..=399 => Failure::permanent(
-                "provider_redirected",
+            300..=399 => Failure::host(
+                Code::ProviderRedirected,
                 format!("the provider answered {status}; redirects are not followed"),
             ),
             _ => Failure::permanent(
-                code.clone().unwrap_or_else(|| "provider_rejected".into()),
+                code.clone()
+                    .unwrap_or_else(|| Code::ProviderRejected.as_str().into()),
                 format!(
                     "the provider answered {status}{}",
                     code.map(|c| format!(" ({c})")).unwrap_or_default()
@@ -316,15 +317,18 @@ impl Provider for HttpProvider {
 fn classify_send_error(error: reqwest::Error) -> Failure {
     if error.is_connect() {
         // Never reached the provider: safe to retry, nothing was sent.
-        Failure::retryable("provider_unreachable", format!("cannot connect: {error}"))
+        Failure::host(
+            Code::ProviderUnreachable,
+            format!("cannot connect: {error}"),
+        )
     } else if error.is_timeout() {
-        Failure::ambiguous(
-            "provider_timeout",
+        Failure::host(
+            Code::ProviderTimeout,
             "no answer before the timeout; the request may have taken effect",
         )
     } else {
-        Failure::ambiguous(
-            "provider_connection_lost",
+        Failure::host(
+            Code::ProviderConnectionLost,
             format!(
                 "the connection failed after sending; the request may have taken effect: {error}"
             ),

@@ -4,7 +4,7 @@
 
 use super::stats::WorkerStats;
 use crate::metrics;
-use crate::store::{JobState, PruneParams, Store, StoreError};
+use crate::store::{EffectPruneParams, JobState, PruneParams, Store, StoreError};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -64,7 +64,10 @@ pub async fn prune_once(
     }
     loop {
         let deleted = store
-            .effect_delete_finished(retention.effects, BATCH)
+            .effect_delete_finished(EffectPruneParams {
+                older_than: retention.effects,
+                limit: BATCH,
+            })
             .await?;
         total += deleted;
         if deleted < BATCH as u64 {

@@ -3,14 +3,21 @@
 //!
 //! # Layout
 //! - [`backoff`]: full-jitter delays.
+//! - [`fetcher`]: claim ahead, in batches, into a bounded buffer.
+//! - [`lease`]: the lease keeper (batched heartbeats for every held job).
 //! - [`worker`]: claim → run the plugin (or reuse the stored plan) → execute
 //!   effects → record the outcome; heartbeats; graceful shutdown.
+//! - [`executor`]: carrying a plan out, effect by effect, through the
+//!   ledger and the providers.
 //! - [`outcome`]: the one place where a job attempt's result becomes a state
 //!   transition (succeeded, retrying, dead, deferred).
 //! - [`maintenance`]: rescuer of expired leases, retention pruner, gauges.
 //! - [`stats`]: in-process counters and the run summary.
 
 pub mod backoff;
+pub mod executor;
+pub mod fetcher;
+pub mod lease;
 pub mod maintenance;
 pub mod outcome;
 pub mod stats;

@@ -6,7 +6,7 @@ use super::backoff::Backoff;
 use super::stats::WorkerStats;
 use crate::failure::Failure;
 use crate::metrics;
-use crate::store::{DeadParams, ErrorRecord, Fence, Job, RetryParams, Store, StoreError};
+use crate::store::{ErrorRecord, Fence, Job, JobChange, Store, StoreError, Write, Written};
 use std::time::Duration;
 
 /// How an attempt ended.
@@ -21,10 +21,35 @@ pub enum Attempt {
         /// Delay.
         delay: Duration,
         /// Why.
-        reason: &'static str,
+        reason: DeferReason,
     },
     /// Shutdown interrupted it: give the lease back, attempt kept.
     Interrupted,
+    /// The lease was lost to another attempt: nothing to record.
+    LeaseLost,
+}
+
+/// Why a job waits without using an attempt: none of these is the job's
+/// fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeferReason {
+    /// Another worker holds the lease of one of its effect keys.
+    EffectLeasedByOther,
+    /// A provider's circuit is open.
+    CircuitOpen,
+    /// No sandbox instance was free.
+    SandboxUnavailable,
+}
+
+impl DeferReason {
+    /// The name in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeferReason::EffectLeasedByOther => "effect_leased_by_other",
+            DeferReason::CircuitOpen => "circuit_open",
+            DeferReason::SandboxUnavailable => "sandbox_unavailable",
+        }
+    }
 }
 
 /// Settings for the decisions.
@@ -36,43 +61,66 @@ pub struct Policy {
     pub redact_dead_payloads: bool,
 }
 
-/// Records `attempt` for `job`: succeeded; retrying with full-jitter backoff
-/// (a larger retry-after wins); dead when permanent or out of attempts;
-/// deferred with the attempt refunded; interrupted → lease given back.
-pub async fn record(
-    store: &dyn Store,
-    stats: &WorkerStats,
+/// What recording an attempt wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// The job succeeded.
+    Succeeded,
+    /// Retried after a failure.
+    Retried,
+    /// Deferred without using an attempt.
+    Deferred,
+    /// Dead-lettered.
+    Dead,
+    /// Lease given back.
+    Released,
+    /// Nothing (the lease was lost before).
+    Nothing,
+}
+
+/// The write that records `attempt` for `job`: succeeded; retrying with
+/// full-jitter backoff (a larger retry-after wins); dead when permanent or
+/// out of attempts; deferred with the attempt refunded; interrupted → lease
+/// given back. `version` is what the attempt ran with, when no plan write
+/// recorded it. `None` when there is nothing to write.
+pub fn decide(
     job: &Job,
     attempt: Attempt,
     policy: Policy,
-) -> Result<Fence, StoreError> {
-    let fence = job.fence();
-    let (written, outcome) = match attempt {
+    version: Version,
+) -> Option<(Write, Recorded)> {
+    let Version { plugin_hash, plan } = version;
+    let (change, recorded) = match attempt {
+        Attempt::LeaseLost => return None,
         Attempt::Succeeded => {
             metrics::job_attempts(&job.plugin, job.attempt);
-            (store.job_set_succeeded(&fence).await?, "succeeded")
+            (
+                JobChange::Succeed { plugin_hash, plan },
+                Recorded::Succeeded,
+            )
         }
         Attempt::Interrupted => {
             tracing::info!("lease given back at shutdown");
-            (store.job_release(&fence).await?, "released")
+            (JobChange::Release, Recorded::Released)
         }
         Attempt::Deferred { delay, reason } => {
-            tracing::info!(?delay, reason, "job deferred");
-            let written = store
-                .job_set_retrying(RetryParams {
-                    fence: fence.clone(),
+            tracing::info!(?delay, reason = reason.as_str(), "job deferred");
+            metrics::job_deferred(&job.plugin, reason.as_str());
+            (
+                JobChange::Retry {
                     delay,
                     error: None,
                     refund_attempt: true,
-                })
-                .await?;
-            (written, "deferred")
+                    plugin_hash,
+                },
+                Recorded::Deferred,
+            )
         }
         Attempt::Failed(failure) => {
             metrics::job_error(&job.plugin, &failure.code, failure.class.as_str());
             let error = ErrorRecord {
                 attempt: job.attempt,
-                class: failure.class.as_str().to_string(),
+                class: failure.class,
                 code: failure.code.clone(),
                 message: failure.message.clone(),
                 at_ms: chrono::Utc::now().timestamp_millis(),
@@ -80,14 +128,14 @@ pub async fn record(
             if !failure.class.is_retried() || job.attempt >= job.max_attempts {
                 tracing::warn!(code = %failure.code, message = %failure.message, attempt = job.attempt,
                     "job dead-lettered");
-                let written = store
-                    .job_set_dead(DeadParams {
-                        fence: fence.clone(),
+                (
+                    JobChange::Dead {
                         error,
                         redact_payload: policy.redact_dead_payloads,
-                    })
-                    .await?;
-                (written, "dead")
+                        plugin_hash,
+                    },
+                    Recorded::Dead,
+                )
             } else {
                 let delay =
                     policy
@@ -95,37 +143,70 @@ pub async fn record(
                         .delay(job.attempt, failure.retry_after, &mut rand::rng());
                 tracing::info!(code = %failure.code, message = %failure.message, attempt = job.attempt, ?delay,
                     "job will be retried");
-                let written = store
-                    .job_set_retrying(RetryParams {
-                        fence: fence.clone(),
+                (
+                    JobChange::Retry {
                         delay,
                         error: Some(error),
                         refund_attempt: false,
-                    })
-                    .await?;
-                (written, "retried")
+                        plugin_hash,
+                    },
+                    Recorded::Retried,
+                )
             }
         }
     };
+    Some((
+        Write::Job {
+            fence: job.fence(),
+            change,
+        },
+        recorded,
+    ))
+}
+
+/// What an attempt ran with, recorded with its outcome when no plan write
+/// recorded it before.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Version {
+    /// The plugin's content hash.
+    pub plugin_hash: Option<String>,
+    /// A plan without effects (stored with the success).
+    pub plan: Option<String>,
+}
+
+/// Records `attempt` for `job` (see [`decide`]) and counts it.
+pub async fn record(
+    store: &dyn Store,
+    stats: &WorkerStats,
+    job: &Job,
+    attempt: Attempt,
+    policy: Policy,
+    version: Version,
+) -> Result<Recorded, StoreError> {
+    let Some((write, recorded)) = decide(job, attempt, policy, version) else {
+        return Ok(Recorded::Nothing);
+    };
+    let written = crate::store::retry_transient(|| store.write(write.clone())).await?;
     match written {
-        Fence::Applied => {
-            let counter = match outcome {
-                "succeeded" => &stats.succeeded,
-                "deferred" => &stats.deferred,
-                "dead" => &stats.dead,
-                "retried" => &stats.retried,
-                _ => return Ok(written),
+        Written::Job(Fence::Applied) => {
+            let counter = match recorded {
+                Recorded::Succeeded => &stats.succeeded,
+                Recorded::Deferred => &stats.deferred,
+                Recorded::Dead => &stats.dead,
+                Recorded::Retried => &stats.retried,
+                Recorded::Released | Recorded::Nothing => return Ok(recorded),
             };
             WorkerStats::bump(counter);
+            Ok(recorded)
         }
-        Fence::FencedOut => {
+        _ => {
             tracing::warn!(
-                outcome,
+                outcome = ?recorded,
                 "stale completion rejected: the job's lease was lost to another attempt"
             );
             WorkerStats::bump(&stats.fenced_out);
             metrics::fenced_out();
+            Ok(Recorded::Nothing)
         }
     }
-    Ok(written)
 }

@@ -3,22 +3,25 @@
 //! runs and a graceful shutdown that gives leases back.
 
 use super::backoff::Backoff;
+use super::executor::{Executor, PlanOutcome};
+use super::fetcher::{self, Claimed, FetchSettings};
+use super::lease::LeaseKeeper;
 use super::maintenance;
-use super::outcome::{self, Attempt, Policy};
+use super::outcome::{self, Attempt, DeferReason, Policy, Version};
 use super::stats::{StatsSnapshot, WorkerStats};
 use crate::config::{Config, RetentionConfig};
 use crate::effects::Effect;
-use crate::effects::executor::{Executor, PlanOutcome};
-use crate::failure::Failure;
+use crate::failpoint::{self, Failpoint};
+use crate::failure::{Code, Failure};
 use crate::metrics;
 use crate::plugins::{LoadedPlugin, PluginRegistry};
 use crate::providers::Providers;
-use crate::sandbox::JobInput;
-use crate::store::{ClaimParams, Fence, HeartbeatParams, Job, Store, StoreError};
+use crate::sandbox::{JobInput, RunError};
+use crate::store::group_commit::{GroupCommit, GroupCommitSettings};
+use crate::store::{Fence, Job, SavePlanParams, Store, StoreError};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -48,6 +51,13 @@ pub struct WorkerSettings {
     pub retention: RetentionConfig,
     /// Exit once nothing is runnable, running or retrying.
     pub exit_when_drained: bool,
+    /// Jobs claimed ahead per queue, beyond its concurrency (at most the
+    /// concurrency).
+    pub prefetch: usize,
+    /// Most jobs per claim statement.
+    pub max_claim: usize,
+    /// How writes are grouped into transactions.
+    pub group_commit: GroupCommitSettings,
 }
 
 impl WorkerSettings {
@@ -73,6 +83,12 @@ impl WorkerSettings {
             redact_dead_payloads: config.worker.redact_dead_payloads,
             retention: config.retention.clone(),
             exit_when_drained: false,
+            prefetch: config.worker.prefetch,
+            max_claim: config.worker.claim_batch,
+            group_commit: GroupCommitSettings {
+                max_batch: config.worker.commit_batch,
+                max_wait: config.worker.commit_wait,
+            },
         }
     }
 }
@@ -93,16 +109,23 @@ pub struct Worker {
     settings: WorkerSettings,
     executor: Arc<Executor>,
     stats: Arc<WorkerStats>,
+    keeper: Arc<LeaseKeeper>,
+    on_start: std::sync::OnceLock<JobHook>,
 }
 
+/// Called with each job as a handler starts it.
+type JobHook = Box<dyn Fn(&Job) + Send + Sync>;
+
 impl Worker {
-    /// A worker over a store, a plugin registry and providers.
+    /// A worker over a store (its writes grouped into transactions), a
+    /// plugin registry and providers.
     pub fn new(
         store: Arc<dyn Store>,
         registry: Arc<PluginRegistry>,
         providers: Providers,
         settings: WorkerSettings,
     ) -> Arc<Self> {
+        let store: Arc<dyn Store> = GroupCommit::new(store, settings.group_commit);
         let stats = Arc::new(WorkerStats::default());
         let executor = Arc::new(Executor {
             store: store.clone(),
@@ -115,6 +138,8 @@ impl Worker {
         Arc::new(Worker {
             store,
             registry,
+            keeper: Arc::new(LeaseKeeper::new(settings.lease)),
+            on_start: std::sync::OnceLock::new(),
             settings,
             executor,
             stats,
@@ -126,10 +151,18 @@ impl Worker {
         &self.stats
     }
 
+    /// Calls `hook` with each job as a handler starts it (before the plugin
+    /// runs): how `idem bench` measures pickup latency. Set once; `false`
+    /// if a hook was set before.
+    pub fn on_job_start(&self, hook: impl Fn(&Job) + Send + Sync + 'static) -> bool {
+        self.on_start.set(Box::new(hook)).is_ok()
+    }
+
     /// Serves until `shutdown` is cancelled (or, with `exit_when_drained`,
     /// until no job is runnable, running or retrying). On shutdown it stops
-    /// claiming, lets running jobs finish for `shutdown_grace`, then gives
-    /// the remaining leases back.
+    /// claiming, gives buffered jobs back at once, lets running jobs finish
+    /// for `shutdown_grace`, then stops them between effects and gives their
+    /// leases back.
     pub async fn run(
         self: Arc<Self>,
         shutdown: CancellationToken,
@@ -144,73 +177,54 @@ impl Worker {
             self.settings.redact_dead_payloads,
             background.clone(),
         );
-        let slots: Vec<(String, Arc<Semaphore>)> = self
-            .settings
-            .queues
-            .iter()
-            .map(|(q, n)| (q.clone(), Arc::new(Semaphore::new(*n as usize))))
-            .collect();
+        let keeping = {
+            let (keeper, store, stop) =
+                (self.keeper.clone(), self.store.clone(), background.clone());
+            tokio::spawn(async move { keeper.run(store, stop).await })
+        };
+        // `stop_claiming` ends the fetchers; `abort_jobs` stops running jobs
+        // between effects once the grace period is over.
+        let stop_claiming = CancellationToken::new();
         let abort_jobs = CancellationToken::new();
-        let mut tasks = JoinSet::new();
-        let mut store_errors = 0u32;
-        let mut claims = 0u64;
+        let idle = Arc::new(tokio::sync::Notify::new());
+        let mut fetchers = JoinSet::new();
+        let mut handlers = JoinSet::new();
+        for (queue, concurrency) in &self.settings.queues {
+            let concurrency = *concurrency as usize;
+            let prefetch = self.settings.prefetch.min(concurrency.max(1));
+            let (sender, buffer) = tokio::sync::mpsc::channel(concurrency + prefetch);
+            fetchers.spawn(fetcher::run(
+                self.store.clone(),
+                FetchSettings {
+                    queue: queue.clone(),
+                    worker: self.settings.id.clone(),
+                    slots: concurrency + prefetch,
+                    max_claim: self.settings.max_claim,
+                    lease: self.settings.lease,
+                    queue_limit: self.settings.queue_limits.get(queue).copied(),
+                    poll_interval: self.settings.poll_interval,
+                },
+                self.keeper.clone(),
+                sender,
+                stop_claiming.clone(),
+                abort_jobs.clone(),
+            ));
+            let buffer = Arc::new(tokio::sync::Mutex::new(buffer));
+            for _ in 0..concurrency {
+                handlers.spawn(self.clone().handle(
+                    buffer.clone(),
+                    stop_claiming.clone(),
+                    idle.clone(),
+                ));
+            }
+        }
         loop {
-            if shutdown.is_cancelled() {
-                break;
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = idle.notified() => {}
+                _ = tokio::time::sleep(self.settings.poll_interval) => {}
             }
-            let mut claimed = 0usize;
-            for (queue, slots) in &slots {
-                let free = slots.available_permits();
-                if free == 0 {
-                    continue;
-                }
-                let jobs = match self
-                    .store
-                    .job_claim(ClaimParams {
-                        queue: queue.clone(),
-                        worker: claim_owner(&self.settings.id, &mut claims),
-                        limit: free as u32,
-                        lease: self.settings.lease,
-                        queue_concurrency: self.settings.queue_limits.get(queue).copied(),
-                    })
-                    .await
-                {
-                    Ok(jobs) => {
-                        store_errors = 0;
-                        jobs
-                    }
-                    Err(error) => {
-                        store_errors += 1;
-                        tracing::error!(%error, queue, "claim failed; retrying after a pause");
-                        let pause = self.settings.poll_interval * store_errors.min(10);
-                        tokio::select! {
-                            _ = shutdown.cancelled() => {}
-                            _ = tokio::time::sleep(pause) => {}
-                        }
-                        continue;
-                    }
-                };
-                for job in jobs {
-                    let Ok(permit) = slots.clone().try_acquire_owned() else {
-                        // Cannot happen (we claimed at most `free`); give it back.
-                        let _ = self.store.job_release(&job.fence()).await;
-                        continue;
-                    };
-                    claimed += 1;
-                    WorkerStats::bump(&self.stats.claimed);
-                    let worker = self.clone();
-                    let abort = abort_jobs.clone();
-                    tasks.spawn(async move {
-                        worker.process(job, abort).await;
-                        drop(permit);
-                    });
-                }
-            }
-            while tasks.try_join_next().is_some() {}
-            if claimed > 0 {
-                continue;
-            }
-            if self.settings.exit_when_drained && tasks.is_empty() {
+            if self.settings.exit_when_drained && self.keeper.is_empty() {
                 match self.served_queues_drained().await {
                     Ok(true) => break,
                     Ok(false) => {}
@@ -219,40 +233,76 @@ impl Worker {
                     }
                 }
             }
-            tokio::select! {
-                _ = shutdown.cancelled() => {}
-                _ = self.store.wait_for_jobs(self.settings.poll_interval) => {}
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-            }
         }
-        if !tasks.is_empty() {
-            tracing::info!(running = tasks.len(), grace = ?self.settings.shutdown_grace, "stopping: letting running jobs finish");
-            let finished = tokio::time::timeout(self.settings.shutdown_grace, async {
-                while tasks.join_next().await.is_some() {}
+        stop_claiming.cancel();
+        while fetchers.join_next().await.is_some() {}
+        let running = self.keeper.len();
+        if running > 0 {
+            tracing::info!(running, grace = ?self.settings.shutdown_grace, "stopping: letting running jobs finish");
+        }
+        let finished = tokio::time::timeout(self.settings.shutdown_grace, async {
+            while handlers.join_next().await.is_some() {}
+        })
+        .await;
+        if finished.is_err() {
+            tracing::warn!(
+                running = self.keeper.len(),
+                "grace period over: giving leases back"
+            );
+            abort_jobs.cancel();
+            // Jobs now stop between effects; a provider call in flight must
+            // still be able to answer and be recorded.
+            let in_flight_bound = self.executor.providers.max_timeout() + Duration::from_secs(5);
+            let _ = tokio::time::timeout(Duration::from_secs(10).max(in_flight_bound), async {
+                while handlers.join_next().await.is_some() {}
             })
             .await;
-            if finished.is_err() {
-                tracing::warn!(
-                    running = tasks.len(),
-                    "grace period over: giving leases back"
-                );
-                abort_jobs.cancel();
-                // Jobs now stop between effects; a provider call in flight
-                // must still be able to answer and be recorded.
-                let in_flight_bound =
-                    self.executor.providers.max_timeout() + Duration::from_secs(5);
-                let _ = tokio::time::timeout(Duration::from_secs(10).max(in_flight_bound), async {
-                    while tasks.join_next().await.is_some() {}
-                })
-                .await;
-                tasks.abort_all();
-            }
+            handlers.abort_all();
+        }
+        // Whatever is still held (a claim the handlers never saw) goes back.
+        let _ = failpoint::hit(Failpoint::BeforeRelease).await;
+        for fence in self.keeper.drain() {
+            let _ = self.store.job_release(&fence).await;
         }
         background.cancel();
+        let _ = keeping.await;
         for service in services {
             let _ = service.await;
         }
         Ok(self.stats.snapshot())
+    }
+
+    /// One handler: runs jobs from its queue's buffer one after the other.
+    /// After `stop_claiming`, buffered jobs are given back unstarted.
+    async fn handle(
+        self: Arc<Self>,
+        buffer: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Claimed>>>,
+        stop_claiming: CancellationToken,
+        idle: Arc<tokio::sync::Notify>,
+    ) {
+        loop {
+            let next = buffer.lock().await.recv().await;
+            let Some(claimed) = next else { return };
+            let id = claimed.job.id;
+            if stop_claiming.is_cancelled() {
+                let _ = failpoint::hit(Failpoint::BeforeRelease).await;
+                let fence = claimed.job.fence();
+                self.keeper.release(id);
+                if let Err(error) = self.store.job_release(&fence).await {
+                    tracing::warn!(%error, job_id = %id, "cannot give a buffered job back; its lease will expire");
+                }
+            } else {
+                WorkerStats::bump(&self.stats.claimed);
+                self.clone()
+                    .process(claimed.job, claimed.stop.clone())
+                    .await;
+                self.keeper.release(id);
+            }
+            drop(claimed.slot);
+            if self.keeper.is_empty() {
+                idle.notify_one();
+            }
+        }
     }
 
     /// True when none of the queues this worker serves has a job runnable
@@ -273,13 +323,16 @@ impl Worker {
 
     /// Runs one claimed job to a recorded outcome; every log line inside
     /// carries the job id, its key and its correlation id.
-    async fn process(self: Arc<Self>, job: Job, abort: CancellationToken) {
+    async fn process(self: Arc<Self>, job: Job, stop: CancellationToken) {
         let span = tracing::info_span!("job", job_id = %job.id, plugin = %job.plugin, correlation_id = %job.correlation_id,
             key = job.idempotency_key.as_deref().unwrap_or(""), attempt = job.attempt);
-        self.process_in_span(job, abort).instrument(span).await
+        self.process_in_span(job, stop).instrument(span).await
     }
 
-    async fn process_in_span(self: Arc<Self>, job: Job, abort: CancellationToken) {
+    async fn process_in_span(self: Arc<Self>, job: Job, stop: CancellationToken) {
+        if let Some(hook) = self.on_start.get() {
+            hook(&job);
+        }
         let started = Instant::now();
         let waited = Duration::from_millis(
             (chrono::Utc::now().timestamp_millis() - job.run_at_ms).max(0) as u64,
@@ -288,19 +341,12 @@ impl Worker {
         let plugin = self.registry.get(&job.plugin);
         let lease = self.lease_for(plugin.as_deref());
         let backoff = self.backoff_for(plugin.as_deref());
-        // One token stops the attempt between steps: shutdown (via `abort`)
-        // or a lost lease (cancelled by the heartbeat). A provider call in
-        // flight always finishes, so its answer is recorded under the key.
-        let stop = abort.child_token();
-        let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
-            self.store.clone(),
-            job.clone(),
-            lease,
-            self.settings.lease,
-            stop.clone(),
-        )));
+        // `stop` ends the attempt between steps: shutdown after the grace
+        // period, or a lost lease (the lease keeper cancels it). A provider
+        // call in flight always finishes, so its answer is recorded.
+        self.keeper.set_lease(job.id, lease);
         let attempt = self.attempt(&job, plugin, &stop).await;
-        let attempt = match attempt {
+        let (attempt, version) = match attempt {
             Ok(attempt) => attempt,
             Err(error) => {
                 tracing::error!(%error, "store failed during the job; its lease will expire and it will be redelivered");
@@ -312,12 +358,14 @@ impl Worker {
             Attempt::Failed(_) => "failed",
             Attempt::Deferred { .. } => "deferred",
             Attempt::Interrupted => "interrupted",
+            Attempt::LeaseLost => "lease_lost",
         };
         let policy = Policy {
             backoff,
             redact_dead_payloads: self.settings.redact_dead_payloads,
         };
-        if let Err(error) = outcome::record(&*self.store, &self.stats, &job, attempt, policy).await
+        if let Err(error) =
+            outcome::record(&*self.store, &self.stats, &job, attempt, policy, version).await
         {
             tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
         }
@@ -349,13 +397,15 @@ impl Worker {
 
     /// One attempt: the stored plan if there is one, else a plugin call
     /// whose checked plan is stored before the first effect runs. Shutdown
-    /// (`abort`) interrupts it between steps or during a call.
+    /// (`abort`) interrupts it between steps or during a call. Returns the
+    /// plugin version to record with the outcome when no plan write recorded
+    /// it.
     async fn attempt(
         &self,
         job: &Job,
         plugin: Option<Arc<LoadedPlugin>>,
         abort: &CancellationToken,
-    ) -> Result<Attempt, StoreError> {
+    ) -> Result<(Attempt, Version), StoreError> {
         let fence = job.fence();
         let plan: Vec<Effect> = match &job.plan {
             Some(stored) => match serde_json::from_str(stored) {
@@ -368,81 +418,101 @@ impl Worker {
                     plan
                 }
                 Err(error) => {
-                    return Ok(Attempt::Failed(Failure::permanent(
-                        "plan_corrupt",
-                        format!("the stored plan cannot be read: {error}"),
-                    )));
+                    return Ok((
+                        Attempt::Failed(Failure::host(
+                            Code::PlanCorrupt,
+                            format!("the stored plan cannot be read: {error}"),
+                        )),
+                        Version::default(),
+                    ));
                 }
             },
             None => {
                 let Some(plugin) = plugin else {
-                    return Ok(Attempt::Failed(Failure::retryable(
-                        "plugin_not_found",
-                        format!("no plugin named {:?} is loaded", job.plugin),
-                    )));
+                    return Ok((
+                        Attempt::Failed(Failure::host(
+                            Code::PluginNotFound,
+                            format!("no plugin named {:?} is loaded", job.plugin),
+                        )),
+                        Version::default(),
+                    ));
+                };
+                let ran = Version {
+                    plugin_hash: Some(plugin.hash().0.clone()),
+                    plan: None,
                 };
                 let call = tokio::select! {
                     call = self.call_plugin(job, &plugin) => call,
                     // The call stops at its deadline on its own; its result is dropped.
-                    _ = abort.cancelled() => return Ok(Attempt::Interrupted),
+                    _ = abort.cancelled() => return Ok((Attempt::Interrupted, Version::default())),
                 };
-                // On success the plan write records the plugin version; a
-                // failed call records it on its own for the dead-letter queue.
-                if let Err(failure) = &call
-                    && failure.code == crate::sandbox::SANDBOX_UNAVAILABLE
-                {
-                    tracing::warn!(message = %failure.message, "no sandbox instance available: deferring");
-                    return Ok(Attempt::Deferred {
-                        delay: self.settings.poll_interval,
-                        reason: "sandbox_unavailable",
-                    });
-                }
-                let checked = call.and_then(|plan| {
-                    self.executor
-                        .check_grants(&plan, |p| plugin.manifest.allows(p))
-                        .map(|()| plan)
-                });
-                let plan = match checked {
+                let plan = match call {
                     Ok(plan) => plan,
-                    Err(failure) => {
-                        self.store
-                            .job_set_plugin_hash(&fence, &plugin.hash().0)
-                            .await?;
-                        return Ok(Attempt::Failed(failure));
+                    Err(RunError::Unavailable(why)) => {
+                        tracing::warn!(%why, "no sandbox instance available: deferring");
+                        return Ok((
+                            Attempt::Deferred {
+                                delay: self.settings.poll_interval,
+                                reason: DeferReason::SandboxUnavailable,
+                            },
+                            Version::default(),
+                        ));
                     }
+                    // The outcome records the plugin version for the dead-letter queue.
+                    Err(RunError::Plugin(failure)) => return Ok((Attempt::Failed(failure), ran)),
                 };
+                if let Err(failure) = self
+                    .executor
+                    .check_grants(&plan, |e| plugin.grants.check(e).map_err(Failure::from))
+                {
+                    return Ok((Attempt::Failed(failure), ran));
+                }
+                failpoint::hit(Failpoint::AfterPluginCall).await?;
+                if plan.is_empty() {
+                    // Nothing to carry out: the success is the only write,
+                    // and it keeps the (empty) plan.
+                    return Ok((
+                        Attempt::Succeeded,
+                        Version {
+                            plan: Some("[]".into()),
+                            ..ran
+                        },
+                    ));
+                }
                 let json = serde_json::to_string(&plan)
                     .map_err(|e| StoreError::Invalid(format!("cannot encode the plan: {e}")))?;
-                if self
+                let saved = self
                     .store
-                    .job_save_plan(&fence, &json, &plugin.hash().0)
-                    .await?
-                    == Fence::FencedOut
-                {
-                    return Ok(Attempt::Deferred {
-                        delay: Duration::ZERO,
-                        reason: "fenced_out",
-                    });
+                    .job_save_plan(SavePlanParams {
+                        fence: fence.clone(),
+                        plan: json,
+                        plugin_hash: plugin.hash().0.clone(),
+                    })
+                    .await?;
+                if saved == Fence::FencedOut {
+                    return Ok((Attempt::LeaseLost, Version::default()));
                 }
+                failpoint::hit(Failpoint::AfterPlanStored).await?;
                 // No re-read needed: the job had no plan when we claimed it, and
                 // only the holder of this fence can store one.
                 plan
             }
         };
-        Ok(match self.executor.execute(job, &plan, abort).await {
+        let attempt = match self.executor.execute(job, &plan, abort).await {
             PlanOutcome::Done | PlanOutcome::Skipped => Attempt::Succeeded,
             PlanOutcome::Failed(failure) => Attempt::Failed(failure),
             PlanOutcome::Deferred { delay, reason } => Attempt::Deferred { delay, reason },
             PlanOutcome::Store(error) => return Err(error),
             PlanOutcome::Aborted => Attempt::Interrupted,
-        })
+        };
+        Ok((attempt, Version::default()))
     }
 
     async fn call_plugin(
         &self,
         job: &Job,
         plugin: &Arc<LoadedPlugin>,
-    ) -> Result<Vec<Effect>, Failure> {
+    ) -> Result<Vec<Effect>, RunError> {
         let input = JobInput {
             id: job.id.0,
             queue: job.queue.clone(),
@@ -459,65 +529,10 @@ impl Worker {
         tokio::task::spawn_blocking(move || sandbox.run(&plugin.compiled, &input))
             .await
             .unwrap_or_else(|e| {
-                Err(Failure::retryable(
-                    "plugin_trap",
+                Err(RunError::Plugin(Failure::host(
+                    Code::PluginTrap,
                     format!("the sandbox thread failed: {e}"),
-                ))
+                )))
             })
-    }
-}
-
-/// Aborts a spawned task when dropped, so a heartbeat never outlives its
-/// job (an aborted or panicked job task would otherwise keep its lease alive).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// The lease owner of one claim: the worker id plus a per-claim sequence
-/// number. The fence is (job, owner, attempt) and a replay resets attempts, so
-/// a task of this very process stuck since before a job died and was replayed
-/// must not match the new claim.
-fn claim_owner(worker: &str, claims: &mut u64) -> String {
-    *claims += 1;
-    format!("{worker}#{claims}")
-}
-
-/// Extends the lease every third of its length; cancels `lost` when the
-/// fence no longer holds.
-async fn heartbeat(
-    store: Arc<dyn Store>,
-    job: Job,
-    lease: Duration,
-    claimed_with: Duration,
-    lost: CancellationToken,
-) {
-    let fence = job.fence();
-    let every = (lease / 3).max(Duration::from_millis(20));
-    // The claim set the default lease; a plugin with its own lease gets it at once.
-    let mut first = lease != claimed_with;
-    loop {
-        if !first {
-            tokio::time::sleep(every).await;
-        }
-        first = false;
-        match store
-            .job_heartbeat(HeartbeatParams {
-                fence: fence.clone(),
-                lease,
-            })
-            .await
-        {
-            Ok(Fence::Applied) => {}
-            Ok(Fence::FencedOut) => {
-                tracing::warn!("lease lost while running: stopping after the current step");
-                lost.cancel();
-                return;
-            }
-            Err(error) => tracing::warn!(%error, "heartbeat failed; will try again"),
-        }
     }
 }

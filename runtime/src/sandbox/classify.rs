@@ -9,7 +9,7 @@ use super::PluginLimits;
 use super::bindings::idem::plugin::types as wit;
 use super::guest::{ForbiddenCall, MemoryCapExceeded};
 use crate::effects::{self, Action, Effect, EmailTemplate, OutputLimits};
-use crate::failure::{Failure, truncate};
+use crate::failure::{Code, Failure, truncate};
 use std::time::Duration;
 use wasmtime::Trap;
 
@@ -34,14 +34,14 @@ pub fn hostcall_fuel(output: &OutputLimits) -> usize {
 pub fn trap(error: &wasmtime::Error, limits: &PluginLimits, stderr: &str) -> Failure {
     if let Some(call) = error.downcast_ref::<ForbiddenCall>() {
         // Deterministic: the same plugin version waits again on every attempt.
-        return Failure::permanent("plugin_forbidden_call", call.to_string());
+        return Failure::host(Code::PluginForbiddenCall, call.to_string());
     }
     if let Some(cap) = error.downcast_ref::<MemoryCapExceeded>() {
-        return Failure::retryable("plugin_out_of_memory", cap.to_string());
+        return Failure::host(Code::PluginOutOfMemory, cap.to_string());
     }
     if format!("{error:#}").contains(HOSTCALL_FUEL_EXHAUSTED) {
-        return Failure::permanent(
-            "plugin_output_too_large",
+        return Failure::host(
+            Code::PluginOutputTooLarge,
             format!(
                 "the plugin tried to hand the host more data than its output caps allow ({} effects, {} bytes)",
                 limits.output.max_effects, limits.output.max_bytes
@@ -49,31 +49,31 @@ pub fn trap(error: &wasmtime::Error, limits: &PluginLimits, stderr: &str) -> Fai
         );
     }
     match error.downcast_ref::<Trap>() {
-        Some(Trap::Interrupt) => Failure::retryable(
-            "plugin_timeout",
+        Some(Trap::Interrupt) => Failure::host(
+            Code::PluginTimeout,
             format!(
                 "the plugin ran past its {:?} deadline and was stopped",
                 limits.deadline
             ),
         ),
-        Some(Trap::OutOfFuel) => Failure::retryable(
-            "plugin_timeout",
+        Some(Trap::OutOfFuel) => Failure::host(
+            Code::PluginTimeout,
             format!(
                 "the plugin used up its fuel budget of {}",
                 limits.fuel.unwrap_or_default()
             ),
         ),
         Some(Trap::StackOverflow) => {
-            Failure::retryable("plugin_stack_overflow", "the plugin overflowed its stack")
+            Failure::host(Code::PluginStackOverflow, "the plugin overflowed its stack")
         }
         Some(Trap::UnreachableCodeReached) => {
             let reason =
                 panic_message(stderr).unwrap_or_else(|| "no panic message was printed".into());
-            Failure::retryable("plugin_panic", format!("the plugin panicked: {reason}"))
+            Failure::host(Code::PluginPanic, format!("the plugin panicked: {reason}"))
         }
-        Some(other) => Failure::retryable("plugin_trap", format!("the plugin trapped: {other}")),
-        None => Failure::retryable(
-            "plugin_trap",
+        Some(other) => Failure::host(Code::PluginTrap, format!("the plugin trapped: {other}")),
+        None => Failure::host(
+            Code::PluginTrap,
             truncate(format!("{error:#}"), Failure::MAX_MESSAGE),
         ),
     }
@@ -99,8 +99,8 @@ fn panic_message(stderr: &str) -> Option<String> {
 pub fn effects(returned: Vec<wit::Effect>, limits: &OutputLimits) -> Result<Vec<Effect>, Failure> {
     if returned.len() > limits.max_effects {
         // Refuse before converting: a flood must not cost a second copy.
-        return Err(Failure::permanent(
-            "plugin_output_too_large",
+        return Err(Failure::host(
+            Code::PluginOutputTooLarge,
             format!(
                 "the plugin returned {} effects, at most {} allowed",
                 returned.len(),
@@ -121,14 +121,14 @@ pub fn plugin_error(error: wit::JobError, limits: &OutputLimits) -> Failure {
     };
     let size = code.len() + message.len();
     if size > MAX_ERROR_MESSAGE.min(limits.max_bytes) {
-        return Failure::permanent(
-            "plugin_output_too_large",
+        return Failure::host(
+            Code::PluginOutputTooLarge,
             format!("the plugin returned a {size}-byte error, at most {MAX_ERROR_MESSAGE} allowed"),
         );
     }
     if code.is_empty() || code.len() > 64 {
-        return Failure::permanent(
-            "invalid_error_code",
+        return Failure::host(
+            Code::InvalidErrorCode,
             format!(
                 "the plugin returned an error code of {} bytes (1..=64 allowed)",
                 code.len()

@@ -79,32 +79,65 @@ pub fn build(config: &SandboxConfig) -> Result<Engine> {
 }
 
 /// Advances the engine's epoch every tick until dropped.
+///
+/// `let _ticker = EpochTicker::start(engine.clone(), Duration::from_millis(10))?;`
 pub struct EpochTicker {
     stop: Arc<AtomicBool>,
 }
 
 impl EpochTicker {
-    /// Starts the ticker thread.
-    pub fn start(engine: Engine, tick: Duration) -> Self {
+    /// Starts the ticker thread. Without it no deadline ever fires, so failing
+    /// to start it is an error, not a warning.
+    pub fn start(engine: Engine, tick: Duration) -> Result<Self> {
+        Self::start_on(
+            std::thread::Builder::new().name("idem-epoch".into()),
+            engine,
+            tick,
+        )
+    }
+
+    fn start_on(thread: std::thread::Builder, engine: Engine, tick: Duration) -> Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
-        let spawned = std::thread::Builder::new()
-            .name("idem-epoch".into())
+        thread
             .spawn(move || {
                 while !flag.load(Ordering::Relaxed) {
                     std::thread::sleep(tick);
                     engine.increment_epoch();
                 }
-            });
-        if let Err(error) = spawned {
-            tracing::error!(%error, "cannot start the epoch ticker: plugin deadlines will not fire");
-        }
-        EpochTicker { stop }
+            })
+            .map_err(|error| {
+                SandboxError::Engine(format!(
+                    "cannot start the epoch ticker thread, so plugin deadlines could not fire: {error}"
+                ))
+            })?;
+        Ok(EpochTicker { stop })
     }
 }
 
 impl Drop for EpochTicker {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ticker_that_cannot_start_is_an_engine_error() {
+        let engine = Engine::default();
+        // A stack larger than any address space makes the spawn itself fail,
+        // the way thread or memory exhaustion would.
+        let thread = std::thread::Builder::new().stack_size(1 << 60);
+        let error = match EpochTicker::start_on(thread, engine, Duration::from_millis(10)) {
+            Ok(_) => panic!("a thread with a 2^60 byte stack started"),
+            Err(error) => error,
+        };
+        assert!(
+            matches!(&error, SandboxError::Engine(why) if why.contains("epoch ticker")),
+            "{error}"
+        );
     }
 }

@@ -21,7 +21,7 @@ pub mod engine;
 pub mod guest;
 
 use crate::effects::{Effect, OutputLimits};
-use crate::failure::Failure;
+use crate::failure::{Code, Failure};
 use bindings::{JobPlugin, JobPluginPre};
 use guest::GuestState;
 use serde::{Deserialize, Serialize};
@@ -64,7 +64,7 @@ pub type Result<T, E = SandboxError> = std::result::Result<T, E>;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PluginLimits {
     /// Wall-clock deadline of one call.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(with = "humantime_serde")]
     pub deadline: Duration,
     /// Optional fuel budget (roughly, wasm instructions).
     pub fuel: Option<u64>,
@@ -184,7 +184,7 @@ impl Sandbox {
         guest::forbid_sleeping(&mut linker).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         JobPlugin::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)
             .map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
-        let ticker = engine::EpochTicker::start(engine.clone(), config.epoch_tick);
+        let ticker = engine::EpochTicker::start(engine.clone(), config.epoch_tick)?;
         Ok(Sandbox {
             engine,
             linker,
@@ -239,9 +239,10 @@ impl Sandbox {
     }
 
     /// Runs one job in a fresh instance and returns its checked effect plan,
-    /// or a classified failure. Blocks the calling thread for at most the
-    /// plugin's deadline; call it from a blocking-friendly thread.
-    pub fn run(&self, plugin: &CompiledPlugin, job: &JobInput) -> Result<Vec<Effect>, Failure> {
+    /// or why not: a classified plugin failure, or no instance free (not the
+    /// plugin's doing). Blocks the calling thread for at most the plugin's
+    /// deadline; call it from a blocking-friendly thread.
+    pub fn run(&self, plugin: &CompiledPlugin, job: &JobInput) -> Result<Vec<Effect>, RunError> {
         let limits = &plugin.limits;
         let state = GuestState::new(job.id, plugin.name.clone(), limits.memory);
         let mut store = Store::new(&self.engine, state);
@@ -252,7 +253,10 @@ impl Sandbox {
         if self.config.fuel {
             let fuel = limits.fuel.unwrap_or(u64::MAX);
             store.set_fuel(fuel).map_err(|e| {
-                Failure::retryable("plugin_trap", format!("cannot set fuel: {e:#}"))
+                RunError::Plugin(Failure::host(
+                    Code::PluginTrap,
+                    format!("cannot set fuel: {e:#}"),
+                ))
             })?;
         }
         let input = bindings::idem::plugin::types::Job {
@@ -271,17 +275,18 @@ impl Sandbox {
             Err(error)
                 if error
                     .downcast_ref::<wasmtime::PoolConcurrencyLimitError>()
-                    .is_none() =>
+                    .is_some() =>
             {
-                return Err(classify::trap(&error, limits, &store.data().stderr.text()));
-            }
-            Err(error) => {
                 // Not the plugin's doing (every pooled instance is in use):
                 // the job is deferred, not charged.
-                return Err(Failure::retryable(
-                    SANDBOX_UNAVAILABLE,
-                    format!("cannot instantiate the plugin: {error:#}"),
-                ));
+                return Err(RunError::Unavailable(format!("{error:#}")));
+            }
+            Err(error) => {
+                return Err(RunError::Plugin(classify::trap(
+                    &error,
+                    limits,
+                    &store.data().stderr.text(),
+                )));
             }
         };
         let outcome = instance.call_handle(&mut store, &input);
@@ -289,37 +294,51 @@ impl Sandbox {
         state.flush_output();
         let returned = match outcome {
             Ok(returned) => returned,
-            Err(error) => return Err(classify::trap(&error, limits, &state.stderr.text())),
+            Err(error) => {
+                return Err(RunError::Plugin(classify::trap(
+                    &error,
+                    limits,
+                    &state.stderr.text(),
+                )));
+            }
         };
         drop(store);
         match returned {
-            Ok(effects) => {
-                let effects = classify::effects(effects, &limits.output)?;
-                Ok(effects)
-            }
-            Err(error) => Err(classify::plugin_error(error, &limits.output)),
+            Ok(effects) => Ok(classify::effects(effects, &limits.output)?),
+            Err(error) => Err(RunError::Plugin(classify::plugin_error(
+                error,
+                &limits.output,
+            ))),
         }
     }
 }
 
-/// `Duration` as humantime text (`"10s"`) in manifests and JSON.
-mod humantime_serde_compat {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        humantime::parse_duration(&text).map_err(serde::de::Error::custom)
-    }
+/// Why a run produced no plan.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The plugin failed (a trap, a limit, its own error, a bad plan).
+    #[error("{0}")]
+    Plugin(#[from] Failure),
+    /// Every pooled instance is in use: not the plugin's doing, so the job
+    /// is deferred without using an attempt.
+    #[error("no sandbox instance is free: {0}")]
+    Unavailable(String),
 }
 
-/// Code of a failure that is the host's, not the plugin's (no instance
-/// could be made): the worker defers the job without using an attempt.
-pub const SANDBOX_UNAVAILABLE: &str = "sandbox_unavailable";
+impl RunError {
+    /// The plugin's failure, if it was one.
+    ///
+    /// ```
+    /// use idem::{failure::Failure, sandbox::RunError};
+    /// assert!(RunError::Unavailable("pool full".into()).plugin_failure().is_none());
+    /// ```
+    pub fn plugin_failure(&self) -> Option<&Failure> {
+        match self {
+            RunError::Plugin(failure) => Some(failure),
+            RunError::Unavailable(_) => None,
+        }
+    }
+}
 
 /// Where precompiled components are cached by default.
 pub fn default_cache_dir() -> Option<PathBuf> {

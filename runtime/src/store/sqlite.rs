@@ -1,237 +1,132 @@
-//! The embedded store: one SQLite file in WAL mode.
+//! The embedded store's dialect: one SQLite file in WAL mode.
 //!
-//! SQLite has one writer at a time. Multi-statement writes (claims with a
-//! queue limit, batch inserts, a child job with its effect) open with
-//! `BEGIN IMMEDIATE`, so they take the write lock up front and wait for it
-//! (`busy_timeout`) instead of failing with `SQLITE_BUSY` when a read
-//! transaction tries to upgrade. Single-statement writes are atomic as they
-//! are. Wake-ups are in-process only (a [`Notify`]): one runtime process owns
-//! a SQLite file; other processes (the CLI) are found by the poll interval.
+//! SQLite has one writer at a time, so a store opens **one writer
+//! connection** beside a pool of readers: every write of this process queues
+//! for that connection instead of spinning in SQLite's busy handler, and the
+//! group commit in front of the store turns many writes into one
+//! transaction. Write transactions open with `BEGIN IMMEDIATE`, so they take
+//! the lock up front and wait for it (`busy_timeout`) when another process
+//! (the CLI) writes, instead of failing when a read transaction upgrades.
+//! `synchronous = FULL`: a committed write survives power loss. Wake-ups are
+//! in-process only: other processes are found by the poll interval.
 
-use super::shared::{self, Insertable, Slot, wake};
-use super::*;
-use sqlx::Row;
+use super::dialect::{BackendKind, BindRows, ColType, Dialect, DialectConn, RowSet, WritePool};
+use super::queries::{Clock, Queries};
+use super::sql::{Pools, SqlStore};
+use super::{Enqueued, NewJob, Result, input};
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{
     SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
-    SqlitePoolOptions, SqliteQueryResult, SqliteRow, SqliteSynchronous,
+    SqlitePoolOptions, SqliteSynchronous,
 };
 use std::str::FromStr;
-use tokio::sync::Notify;
+use std::sync::LazyLock;
+use std::time::Duration;
 
 static MIGRATOR: Migrator = sqlx::migrate!("../migrations/sqlite");
 
-/// How long a statement waits for the write lock before `SQLITE_BUSY`.
+/// How long a statement waits for another process's write lock.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-/// Pooled connections to a file database.
-pub const POOL_SIZE: u32 = 8;
+/// Pooled reader connections to a file database.
+pub const READERS: u32 = 8;
 /// How long a call waits for a pooled connection.
 pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Milliseconds since the epoch from the database clock (SQLite >= 3.42).
-/// SQLite keeps `now` fixed within one statement step, so every row of one
-/// `UPDATE ... RETURNING` sees the same time.
-const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+/// SQLite's SQL: JSON1 functions, `unixepoch('subsec')` (3.42+), row sets
+/// as one JSON array parameter.
+pub(crate) const DIALECT: Dialect = Dialect {
+    kind: BackendKind::Sqlite,
+    // SQLite keeps `now` fixed within one statement step, so every row of
+    // one `UPDATE ... RETURNING` sees the same time.
+    now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+    errors_col: "errors",
+    skip_locked: "",
+    greatest: "max",
+    json_param: |param| param.to_string(),
+    json_object: |pairs| format!("json_object({pairs})"),
+    append_error: |record, now, keep| {
+        format!(
+            "(SELECT json_group_array(json(value) ORDER BY key) \
+              FROM json_each(json_insert(errors, '$[#]', json_set({record}, '$.at_ms', {now}))) \
+              WHERE key > json_array_length(errors) - {keep})"
+        )
+    },
+    int_list: |param| format!("SELECT value FROM json_each({param})"),
+    text_list: |param| format!("SELECT value FROM json_each({param})"),
+    rows: |cols| {
+        let mut select = String::from("(SELECT j.key AS ord");
+        for (i, (name, ty)) in cols.iter().enumerate() {
+            let value = format!("j.value ->> {i}");
+            match ty {
+                ColType::Bytes => select.push_str(&format!(", unhex({value}) AS {name}")),
+                ColType::Int | ColType::Text => select.push_str(&format!(", {value} AS {name}")),
+            }
+        }
+        select.push_str(" FROM json_each($1) AS j) AS t");
+        select
+    },
+};
 
-const JOB_COLS: &str = "id, queue, plugin, payload, idempotency_key, priority, run_at, state, \
-    attempt, max_attempts, lease_owner, lease_until, heartbeat_at, last_error_code, \
-    last_error_message, errors, correlation_id, plugin_hash, plan, plan_hash, rescues, \
-    created_at, updated_at, finished_at, first_failed_at, last_failed_at";
+/// The statements with the database clock, for functions that run on a
+/// caller's connection ([`job_insert_in`]).
+static QUERIES: LazyLock<Queries> = LazyLock::new(|| Queries::new(&DIALECT, Clock::Database));
 
-const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, attempt, \
-    lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at";
-
-/// The fence of every write that finishes or reschedules a job: `?1` id,
-/// `?2` worker, `?3` attempt.
-const FENCE: &str = "id = ?1 AND state = 'running' AND lease_owner = ?2 AND attempt = ?3";
-
-/// The fence of an effect: `?1` key, `?2` worker, `?3` attempt.
-const EFFECT_FENCE: &str =
-    "key = ?1 AND lease_owner = ?2 AND attempt = ?3 AND status = 'processing'";
-
-/// SET clauses recording one failure when `cond` holds: the record is
-/// appended to the history (its `at_ms` set from the database clock, only the
-/// newest [`ERROR_HISTORY`] kept) and the last-error columns follow.
-fn record_error(cond: &str, record: &str, code: &str, message: &str) -> String {
-    format!(
-        "errors = CASE WHEN {cond} THEN (\
-             SELECT json_group_array(json(value) ORDER BY key) \
-             FROM json_each(json_insert(errors, '$[#]', json_set({record}, '$.at_ms', {{now}}))) \
-             WHERE key > json_array_length(errors) - {{history}}) \
-         ELSE errors END, \
-         last_error_code = CASE WHEN {cond} THEN {code} ELSE last_error_code END, \
-         last_error_message = CASE WHEN {cond} THEN {message} ELSE last_error_message END, \
-         first_failed_at = CASE WHEN {cond} THEN COALESCE(first_failed_at, {{now}}) ELSE first_failed_at END, \
-         last_failed_at = CASE WHEN {cond} THEN {{now}} ELSE last_failed_at END"
-    )
-}
-
-fn expand(text: &str) -> String {
-    text.replace(
-        "{record_error}",
-        &record_error("?4 IS NOT NULL", "?4", "?5", "?6"),
-    )
-    .replace(
-        "{record_lease_expired}",
-        &record_error(
-            "attempt >= max_attempts",
-            "json_object('attempt', attempt, 'class', 'ambiguous', 'code', 'lease_expired', \
-             'message', 'the lease expired before the attempt finished', 'at_ms', 0)",
-            "'lease_expired'",
-            "'the lease expired before the attempt finished'",
-        ),
-    )
-    .replace("{fence}", FENCE)
-    .replace("{effect_fence}", EFFECT_FENCE)
-    .replace("{job_cols}", JOB_COLS)
-    .replace("{effect_cols}", EFFECT_COLS)
-    .replace("{history}", &ERROR_HISTORY.to_string())
-    .replace("{now}", NOW)
-}
-
-/// A statement with its placeholders expanded once.
-macro_rules! sql {
-    ($text:expr) => {{
-        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| expand($text));
-        SQL.as_str()
-    }};
-}
-
-type Query<'q> = sqlx::query::Query<'q, sqlx::Sqlite, SqliteArguments<'q>>;
-
-fn fenced<'q>(sql: &'q str, fence: &'q JobFence) -> Query<'q> {
-    sqlx::query(sql)
-        .bind(fence.id.0)
-        .bind(&fence.worker)
-        .bind(i64::from(fence.attempt))
-}
-
-fn effect_fenced<'q>(sql: &'q str, fence: &'q EffectFence) -> Query<'q> {
-    sqlx::query(sql)
-        .bind(&fence.key)
-        .bind(&fence.worker)
-        .bind(i64::from(fence.attempt))
-}
-
-fn fence_of(result: SqliteQueryResult) -> Fence {
-    if result.rows_affected() > 0 {
-        Fence::Applied
-    } else {
-        Fence::FencedOut
-    }
-}
-
-fn jobs_from_rows(rows: &[SqliteRow]) -> Result<Vec<Job>> {
-    rows.iter().map(shared::job_from_row).collect()
-}
-
-/// The SQLite store.
+/// Opens (creating if missing) the database at `url` (`sqlite://PATH` or
+/// `sqlite::memory:`) and applies migrations.
 ///
 /// ```no_run
 /// # async fn demo() -> idem::store::Result<()> {
-/// use idem::store::{NewJob, Store, sqlite::SqliteStore};
-/// let store = SqliteStore::connect("sqlite://idem.db").await?;
-/// store.job_insert(NewJob::new("noop", b"{}".to_vec())).await?;
+/// let store = idem::store::sqlite::connect("sqlite://idem.db", idem::store::Clock::Database).await?;
 /// # Ok(()) }
 /// ```
-pub struct SqliteStore {
-    pool: SqlitePool,
-    notify: Notify,
-}
-
-impl SqliteStore {
-    /// Opens (creating if missing) the database at `url` (`sqlite://PATH` or
-    /// `sqlite::memory:`) and applies migrations.
-    ///
-    /// ```no_run
-    /// # async fn demo() -> idem::store::Result<()> {
-    /// let store = idem::store::sqlite::SqliteStore::connect("sqlite://idem.db").await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn connect(url: &str) -> Result<Self> {
-        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
-        let options = SqliteConnectOptions::from_str(url)?
-            .create_if_missing(true)
-            .busy_timeout(BUSY_TIMEOUT)
-            .foreign_keys(true)
-            .synchronous(SqliteSynchronous::Normal);
-        let (options, pool) = if in_memory {
-            // Each connection to `:memory:` is its own database: keep exactly
-            // one, forever.
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .min_connections(1)
-                .idle_timeout(None)
-                .max_lifetime(None);
-            (options, pool)
-        } else {
-            let options = options.journal_mode(SqliteJournalMode::Wal);
-            (options, SqlitePoolOptions::new().max_connections(POOL_SIZE))
-        };
-        let pool = pool
+pub async fn connect(url: &str, clock: Clock) -> Result<SqlStore> {
+    let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+    let options = SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .busy_timeout(BUSY_TIMEOUT)
+        .foreign_keys(true)
+        .synchronous(SqliteSynchronous::Full);
+    let one_forever = || {
+        SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
             .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_with(options)
+    };
+    let (read, write) = if in_memory {
+        // Each connection to `:memory:` is its own database: one, forever,
+        // for reads and writes.
+        let pool = one_forever().connect_with(options).await?;
+        (pool.clone(), pool)
+    } else {
+        let options = options.journal_mode(SqliteJournalMode::Wal);
+        let write = one_forever().connect_with(options.clone()).await?;
+        let read = SqlitePoolOptions::new()
+            .max_connections(READERS)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(options.read_only(false))
             .await?;
-        MIGRATOR.run(&pool).await?;
-        Ok(SqliteStore {
-            pool,
-            notify: Notify::new(),
-        })
-    }
-
-    /// The connection pool, for callers that enqueue inside their own
-    /// transaction with [`job_insert_in`].
-    ///
-    /// ```no_run
-    /// # async fn demo(store: &idem::store::sqlite::SqliteStore) -> idem::store::Result<()> {
-    /// let mut tx = store.pool().begin().await?;
-    /// # Ok(()) }
-    /// ```
-    pub fn pool(&self) -> &SqlitePool {
-        &self.pool
-    }
-
-    /// Wakes this process's waiting workers, e.g. after committing a
-    /// transaction that enqueued with [`job_insert_in`].
-    ///
-    /// ```no_run
-    /// # fn demo(store: &idem::store::sqlite::SqliteStore) {
-    /// store.notify_jobs();
-    /// # }
-    /// ```
-    pub fn notify_jobs(&self) {
-        wake(&self.notify);
-    }
-
-    async fn existing_child(&self, child: &NewJob) -> Result<Enqueued> {
-        let id = match &child.idempotency_key {
-            Some(key) => {
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT id FROM jobs WHERE plugin = ?1 AND idempotency_key = ?2",
-                )
-                .bind(&child.plugin)
-                .bind(key)
-                .fetch_optional(&self.pool)
-                .await?
-            }
-            None => None,
-        };
-        Ok(Enqueued {
-            id: JobId(id.unwrap_or(0)),
-            inserted: false,
-        })
-    }
+        (read, write)
+    };
+    MIGRATOR.run(&write).await?;
+    Ok(SqlStore::new(
+        Pools::Sqlite { read, write },
+        &DIALECT,
+        clock,
+    ))
 }
 
 /// Enqueues one job on the caller's connection, typically inside the
 /// caller's own transaction (outbox pattern): the job exists only if that
-/// transaction commits. Call [`SqliteStore::notify_jobs`] after the commit to
-/// wake workers at once instead of at their next poll.
+/// transaction commits. Call [`SqlStore::notify_jobs`] after the commit to
+/// wake this process's workers at once instead of at their next poll.
 ///
 /// ```no_run
-/// # async fn demo(store: &idem::store::sqlite::SqliteStore) -> idem::store::Result<()> {
+/// # async fn demo(store: &idem::store::SqlStore) -> idem::store::Result<()> {
 /// use idem::store::{NewJob, sqlite::job_insert_in};
-/// let mut tx = store.pool().begin().await?;
+/// let pool = store.sqlite_pool().expect("a SQLite store");
+/// let mut tx = pool.begin().await?;
 /// // ... the caller's own writes on &mut *tx ...
 /// job_insert_in(&mut tx, NewJob::new("send_invoice_email", b"{}".to_vec())).await?;
 /// tx.commit().await?;
@@ -239,879 +134,43 @@ impl SqliteStore {
 /// # Ok(()) }
 /// ```
 pub async fn job_insert_in(conn: &mut SqliteConnection, job: NewJob) -> Result<Enqueued> {
-    let job = shared::insertable(job)?;
-    insert_one(conn, &job).await
+    let job = input::insertable(job)?;
+    super::sql::insert_one!(conn, &*QUERIES, &job)
 }
 
-async fn insert_one(conn: &mut SqliteConnection, job: &Insertable) -> Result<Enqueued> {
-    // The conflicting job can be pruned between the insert and the read: try
-    // again then (a few times; pruning only removes old finished jobs).
-    for _ in 0..3 {
-        let id: Option<i64> = sqlx::query_scalar(sql!(
-            "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, state, \
-                 max_attempts, correlation_id, created_at, updated_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5, {now} + ?6, 'available', ?7, ?8, {now}, {now}) \
-             ON CONFLICT (plugin, idempotency_key) DO NOTHING \
-             RETURNING id"
-        ))
-        .bind(&job.queue)
-        .bind(&job.plugin)
-        .bind(&job.payload)
-        .bind(&job.idempotency_key)
-        .bind(job.priority)
-        .bind(job.delay_ms)
-        .bind(job.max_attempts)
-        .bind(&job.correlation_id)
-        .fetch_optional(&mut *conn)
-        .await?;
-        if let Some(id) = id {
-            return Ok(Enqueued {
-                id: JobId(id),
-                inserted: true,
-            });
-        }
-        let existing: Option<i64> =
-            sqlx::query_scalar("SELECT id FROM jobs WHERE plugin = ?1 AND idempotency_key = ?2")
-                .bind(&job.plugin)
-                .bind(&job.idempotency_key)
-                .fetch_optional(&mut *conn)
-                .await?;
-        if let Some(id) = existing {
-            return Ok(Enqueued {
-                id: JobId(id),
-                inserted: false,
-            });
-        }
+impl WritePool for SqlitePool {
+    type Db = sqlx::Sqlite;
+
+    async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
+        Ok(self.begin_with("BEGIN IMMEDIATE").await?)
     }
-    Err(StoreError::Corrupt(format!(
-        "job key {:?} of plugin {:?} conflicts on insert but cannot be read",
-        job.idempotency_key, job.plugin
-    )))
 }
 
-/// Inserts one chunk of fresh (not repeated within the batch) jobs; returns
-/// their ids in input order with whether each was inserted.
-async fn insert_chunk(conn: &mut SqliteConnection, jobs: &[&Insertable]) -> Result<Vec<Enqueued>> {
-    let mut sql = String::from(
-        "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, state, \
-             max_attempts, correlation_id, created_at, updated_at) VALUES ",
-    );
-    for i in 0..jobs.len() {
-        if i > 0 {
-            sql.push_str(", ");
-        }
-        sql.push_str(&format!(
-            "(?, ?, ?, ?, ?, {NOW} + ?, 'available', ?, ?, {NOW}, {NOW})"
-        ));
+impl<'q> BindRows for sqlx::query::Query<'q, sqlx::Sqlite, SqliteArguments<'q>> {
+    fn bind_rows(self, rows: RowSet) -> Self {
+        self.bind(rows.to_json())
     }
-    sql.push_str(
-        " ON CONFLICT (plugin, idempotency_key) DO NOTHING RETURNING id, plugin, idempotency_key",
-    );
-    let mut query = sqlx::query(&sql);
-    for job in jobs {
-        query = query
-            .bind(&job.queue)
-            .bind(&job.plugin)
-            .bind(&job.payload)
-            .bind(&job.idempotency_key)
-            .bind(job.priority)
-            .bind(job.delay_ms)
-            .bind(job.max_attempts)
-            .bind(&job.correlation_id);
-    }
-    let rows = query.fetch_all(&mut *conn).await?;
-
-    let mut keyed = std::collections::HashMap::new();
-    let mut unkeyed = Vec::new();
-    for row in &rows {
-        let id: i64 = row.try_get("id")?;
-        match row.try_get::<Option<String>, _>("idempotency_key")? {
-            Some(key) => {
-                keyed.insert((row.try_get::<String, _>("plugin")?, key), (id, true));
-            }
-            None => unkeyed.push(id),
-        }
-    }
-    // Unkeyed rows cannot conflict; ids grow in VALUES order under the one
-    // writer, so sorted ids match the unkeyed inputs in order.
-    unkeyed.sort_unstable();
-
-    let missing: Vec<&&Insertable> = jobs
-        .iter()
-        .filter(|job| {
-            job.idempotency_key
-                .as_ref()
-                .is_some_and(|key| !keyed.contains_key(&(job.plugin.clone(), key.clone())))
-        })
-        .collect();
-    if !missing.is_empty() {
-        let mut sql = String::from(
-            "SELECT id, plugin, idempotency_key FROM jobs WHERE (plugin, idempotency_key) IN (VALUES ",
-        );
-        for i in 0..missing.len() {
-            sql.push_str(if i > 0 { ", (?, ?)" } else { "(?, ?)" });
-        }
-        sql.push(')');
-        let mut query = sqlx::query(&sql);
-        for job in &missing {
-            query = query.bind(&job.plugin).bind(&job.idempotency_key);
-        }
-        for row in query.fetch_all(&mut *conn).await? {
-            let key: String = row.try_get("idempotency_key")?;
-            keyed.insert((row.try_get("plugin")?, key), (row.try_get("id")?, false));
-        }
-    }
-
-    let mut unkeyed = unkeyed.into_iter();
-    jobs.iter()
-        .map(|job| {
-            let found = match &job.idempotency_key {
-                Some(key) => keyed.get(&(job.plugin.clone(), key.clone())).copied(),
-                None => unkeyed.next().map(|id| (id, true)),
-            };
-            found
-                .map(|(id, inserted)| Enqueued {
-                    id: JobId(id),
-                    inserted,
-                })
-                .ok_or_else(|| {
-                    StoreError::Corrupt(format!(
-                        "batch insert lost a job of plugin {:?} (key {:?})",
-                        job.plugin, job.idempotency_key
-                    ))
-                })
-        })
-        .collect()
 }
 
-fn check_worker(worker: &str) -> Result<()> {
-    if worker.is_empty() {
-        return Err(StoreError::Invalid("worker id is empty".into()));
+impl<'q, O> BindRows for sqlx::query::QueryAs<'q, sqlx::Sqlite, O, SqliteArguments<'q>> {
+    fn bind_rows(self, rows: RowSet) -> Self {
+        self.bind(rows.to_json())
     }
-    Ok(())
 }
 
-#[async_trait::async_trait]
-impl Store for SqliteStore {
-    fn backend(&self) -> &'static str {
-        "sqlite"
+impl<'q, O> BindRows for sqlx::query::QueryScalar<'q, sqlx::Sqlite, O, SqliteArguments<'q>> {
+    fn bind_rows(self, rows: RowSet) -> Self {
+        self.bind(rows.to_json())
+    }
+}
+
+impl DialectConn for SqliteConnection {
+    async fn lock_queue(&mut self, _queue: &str) -> Result<()> {
+        // `BEGIN IMMEDIATE` already made this transaction the only writer.
+        Ok(())
     }
 
-    async fn job_insert(&self, job: NewJob) -> Result<Enqueued> {
-        let job = shared::insertable(job)?;
-        let mut conn = self.pool.acquire().await?;
-        let enqueued = insert_one(&mut conn, &job).await?;
-        if enqueued.inserted {
-            wake(&self.notify);
-        }
-        Ok(enqueued)
-    }
-
-    async fn job_insert_many(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>> {
-        if jobs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let jobs = jobs
-            .into_iter()
-            .map(shared::insertable)
-            .collect::<Result<Vec<_>>>()?;
-        let slots = shared::batch_slots(&jobs);
-        let fresh: Vec<&Insertable> = jobs
-            .iter()
-            .zip(&slots)
-            .filter(|(_, slot)| matches!(slot, Slot::Fresh))
-            .map(|(job, _)| job)
-            .collect();
-
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let mut fresh_results = Vec::with_capacity(fresh.len());
-        for chunk in fresh.chunks(shared::INSERT_CHUNK) {
-            fresh_results.extend(insert_chunk(&mut tx, chunk).await?);
-        }
-        tx.commit().await?;
-
-        let mut fresh_results = fresh_results.into_iter();
-        let mut results: Vec<Enqueued> = Vec::with_capacity(jobs.len());
-        for slot in &slots {
-            let enqueued = match slot {
-                Slot::Fresh => fresh_results.next(),
-                Slot::SameAs(first) => results.get(*first).map(|e| Enqueued {
-                    id: e.id,
-                    inserted: false,
-                }),
-            };
-            results.push(enqueued.ok_or_else(|| {
-                StoreError::Corrupt("batch insert returned fewer rows than it was given".into())
-            })?);
-        }
-        if results.iter().any(|e| e.inserted) {
-            wake(&self.notify);
-        }
-        Ok(results)
-    }
-
-    async fn job_get(&self, id: JobId) -> Result<Option<Job>> {
-        let row = sqlx::query(sql!("SELECT {job_cols} FROM jobs WHERE id = ?1"))
-            .bind(id.0)
-            .fetch_optional(&self.pool)
-            .await?;
-        row.as_ref().map(shared::job_from_row).transpose()
-    }
-
-    async fn job_list(&self, filter: JobFilter) -> Result<Vec<Job>> {
-        let mut sql = format!("SELECT {JOB_COLS} FROM jobs WHERE 1 = 1");
-        if !filter.states.is_empty() {
-            // State names are our own constants: inlined, so SQLite can match
-            // the partial indexes.
-            let names: Vec<String> = filter
-                .states
-                .iter()
-                .map(|s| format!("'{}'", s.as_str()))
-                .collect();
-            sql.push_str(&format!(" AND state IN ({})", names.join(", ")));
-        }
-        if filter.plugin.is_some() {
-            sql.push_str(" AND plugin = ?");
-        }
-        if filter.error_code.is_some() {
-            sql.push_str(" AND last_error_code = ?");
-        }
-        if !filter.ids.is_empty() {
-            sql.push_str(" AND id IN (SELECT value FROM json_each(?))");
-        }
-        sql.push_str(" ORDER BY id DESC");
-        if filter.limit > 0 {
-            sql.push_str(" LIMIT ?");
-        }
-        let mut query = sqlx::query(&sql);
-        if let Some(plugin) = &filter.plugin {
-            query = query.bind(plugin);
-        }
-        if let Some(code) = &filter.error_code {
-            query = query.bind(code);
-        }
-        if !filter.ids.is_empty() {
-            query = query.bind(ids_json(&filter.ids));
-        }
-        if filter.limit > 0 {
-            query = query.bind(i64::from(filter.limit));
-        }
-        jobs_from_rows(&query.fetch_all(&self.pool).await?)
-    }
-
-    async fn job_claim(&self, params: ClaimParams) -> Result<Vec<Job>> {
-        check_worker(&params.worker)?;
-        if params.limit == 0 {
-            return Ok(Vec::new());
-        }
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let mut limit = i64::from(params.limit);
-        if let Some(max) = params.queue_concurrency {
-            // Counted under the write lock: no other claim can interleave.
-            let running: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM jobs WHERE state = 'running' AND queue = ?1",
-            )
-            .bind(&params.queue)
-            .fetch_one(&mut *tx)
-            .await?;
-            limit = limit.min(i64::from(max) - running);
-            if limit <= 0 {
-                tx.rollback().await?;
-                return Ok(Vec::new());
-            }
-        }
-        let rows = sqlx::query(sql!(
-            "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = ?1, \
-                 lease_until = {now} + ?2, heartbeat_at = {now}, updated_at = {now} \
-             WHERE id IN (\
-                 SELECT id FROM jobs \
-                 WHERE queue = ?3 AND state IN ('available', 'retrying') AND run_at <= {now} \
-                 ORDER BY priority DESC, run_at, id LIMIT ?4) \
-             RETURNING {job_cols}"
-        ))
-        .bind(&params.worker)
-        .bind(shared::millis(params.lease))
-        .bind(&params.queue)
-        .bind(limit)
-        .fetch_all(&mut *tx)
-        .await?;
-        // Decoded before the commit: an unreadable row rolls the claim back
-        // instead of leaving jobs running that nobody works on.
-        let mut jobs = jobs_from_rows(&rows)?;
-        tx.commit().await?;
-        // RETURNING has no defined order.
-        jobs.sort_by(|a, b| {
-            b.priority
-                .cmp(&a.priority)
-                .then(a.run_at_ms.cmp(&b.run_at_ms))
-                .then(a.id.cmp(&b.id))
-        });
-        Ok(jobs)
-    }
-
-    async fn job_heartbeat(&self, params: HeartbeatParams) -> Result<Fence> {
-        let result = fenced(
-            sql!(
-                "UPDATE jobs SET lease_until = {now} + ?4, heartbeat_at = {now}, updated_at = {now} \
-                 WHERE {fence}"
-            ),
-            &params.fence,
-        )
-        .bind(shared::millis(params.lease))
-        .execute(&self.pool)
-        .await?;
-        Ok(fence_of(result))
-    }
-
-    async fn job_save_plan(
-        &self,
-        fence: &JobFence,
-        plan: &str,
-        plugin_hash: &str,
-    ) -> Result<Fence> {
-        // A redelivered job keeps its first plan: an existing plan is left as
-        // it is, and the call still reports Applied when the fence holds.
-        let result = fenced(
-            sql!(
-                "UPDATE jobs SET plan = COALESCE(plan, ?4), \
-                     plan_hash = CASE WHEN plan IS NULL THEN ?5 ELSE plan_hash END, \
-                     plugin_hash = ?5, \
-                     updated_at = {now} \
-                 WHERE {fence}"
-            ),
-            fence,
-        )
-        .bind(plan)
-        .bind(plugin_hash)
-        .execute(&self.pool)
-        .await?;
-        Ok(fence_of(result))
-    }
-
-    async fn job_set_plugin_hash(&self, fence: &JobFence, plugin_hash: &str) -> Result<Fence> {
-        let result = fenced(
-            sql!("UPDATE jobs SET plugin_hash = ?4, updated_at = {now} WHERE {fence}"),
-            fence,
-        )
-        .bind(plugin_hash)
-        .execute(&self.pool)
-        .await?;
-        Ok(fence_of(result))
-    }
-
-    async fn job_set_succeeded(&self, fence: &JobFence) -> Result<Fence> {
-        let result = fenced(
-            sql!(
-                "UPDATE jobs SET state = 'succeeded', finished_at = {now}, lease_owner = NULL, \
-                     lease_until = NULL, updated_at = {now} \
-                 WHERE {fence}"
-            ),
-            fence,
-        )
-        .execute(&self.pool)
-        .await?;
-        Ok(fence_of(result))
-    }
-
-    async fn job_set_retrying(&self, params: RetryParams) -> Result<Fence> {
-        let error = params.error.as_ref().map(shared::error_json).transpose()?;
-        let (record, code, message) = match error {
-            Some((record, code, message)) => (Some(record), Some(code), Some(message)),
-            None => (None, None, None),
-        };
-        let delay = shared::millis(params.delay);
-        let result = fenced(
-            sql!(
-                "UPDATE jobs SET state = 'retrying', run_at = {now} + ?7, \
-                     attempt = max(attempt - ?8, 0), lease_owner = NULL, lease_until = NULL, \
-                     {record_error}, updated_at = {now} \
-                 WHERE {fence}"
-            ),
-            &params.fence,
-        )
-        .bind(record)
-        .bind(code)
-        .bind(message)
-        .bind(delay)
-        .bind(i64::from(params.refund_attempt))
-        .execute(&self.pool)
-        .await?;
-        let fence = fence_of(result);
-        if fence == Fence::Applied && delay == 0 {
-            wake(&self.notify);
-        }
-        Ok(fence)
-    }
-
-    async fn job_set_dead(&self, params: DeadParams) -> Result<Fence> {
-        let (record, code, message) = shared::error_json(&params.error)?;
-        let redacted = if params.redact_payload {
-            // Read under the same fence; the update below re-checks it, and no
-            // other writer changes the payload while the fence holds.
-            let payload: Option<Vec<u8>> =
-                sqlx::query_scalar(sql!("SELECT payload FROM jobs WHERE {fence}"))
-                    .bind(params.fence.id.0)
-                    .bind(&params.fence.worker)
-                    .bind(i64::from(params.fence.attempt))
-                    .fetch_optional(&self.pool)
-                    .await?;
-            match payload {
-                Some(payload) => Some(shared::redacted_payload(&payload)),
-                None => return Ok(Fence::FencedOut),
-            }
-        } else {
-            None
-        };
-        let result = fenced(
-            sql!(
-                "UPDATE jobs SET state = 'dead', finished_at = {now}, lease_owner = NULL, \
-                     lease_until = NULL, payload = COALESCE(?7, payload), {record_error}, \
-                     updated_at = {now} \
-                 WHERE {fence}"
-            ),
-            &params.fence,
-        )
-        .bind(record)
-        .bind(code)
-        .bind(message)
-        .bind(redacted)
-        .execute(&self.pool)
-        .await?;
-        Ok(fence_of(result))
-    }
-
-    async fn job_release(&self, fence: &JobFence) -> Result<Fence> {
-        let result = fenced(
-            sql!(
-                "UPDATE jobs SET state = 'available', run_at = {now}, lease_owner = NULL, \
-                     lease_until = NULL, updated_at = {now} \
-                 WHERE {fence}"
-            ),
-            fence,
-        )
-        .execute(&self.pool)
-        .await?;
-        let fence = fence_of(result);
-        if fence == Fence::Applied {
-            wake(&self.notify);
-        }
-        Ok(fence)
-    }
-
-    async fn job_rescue_expired(&self, limit: u32) -> Result<Vec<JobId>> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let ids: Vec<i64> = sqlx::query_scalar(sql!(
-            "UPDATE jobs SET \
-                 state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'available' END, \
-                 run_at = CASE WHEN attempt >= max_attempts THEN run_at ELSE {now} END, \
-                 finished_at = CASE WHEN attempt >= max_attempts THEN {now} ELSE NULL END, \
-                 rescues = rescues + 1, lease_owner = NULL, lease_until = NULL, \
-                 {record_lease_expired}, updated_at = {now} \
-             WHERE id IN (\
-                 SELECT id FROM jobs WHERE state = 'running' AND lease_until < {now} \
-                 ORDER BY lease_until LIMIT ?1) \
-             RETURNING id"
-        ))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
-        if !ids.is_empty() {
-            wake(&self.notify);
-        }
-        let mut ids: Vec<JobId> = ids.into_iter().map(JobId).collect();
-        ids.sort_unstable();
-        Ok(ids)
-    }
-
-    async fn job_replay(&self, ids: &[JobId]) -> Result<u64> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        // Effects of the replayed plans that failed permanently may be tried
-        // again: the operator fixed the cause. Their keys stay the same.
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let plans: Vec<Option<String>> = sqlx::query_scalar(
-            "SELECT plan FROM jobs WHERE state = 'dead' AND id IN (SELECT value FROM json_each(?1))",
-        )
-        .bind(ids_json(ids))
-        .fetch_all(&mut *tx)
-        .await?;
-        let keys = shared::plan_keys(plans.iter().flatten());
-        if !keys.is_empty() {
-            let keys = serde_json::to_string(&keys)
-                .map_err(|e| StoreError::Invalid(format!("keys do not serialise: {e}")))?;
-            sqlx::query(sql!(
-                "UPDATE effects SET status = 'retrying', updated_at = {now} \
-                 WHERE status = 'failed' AND key IN (SELECT value FROM json_each(?1))"
-            ))
-            .bind(keys)
-            .execute(&mut *tx)
-            .await?;
-        }
-        let result = sqlx::query(sql!(
-            "UPDATE jobs SET state = 'available', attempt = 0, run_at = {now}, finished_at = NULL, \
-                 lease_owner = NULL, lease_until = NULL, updated_at = {now} \
-             WHERE state = 'dead' AND id IN (SELECT value FROM json_each(?1))"
-        ))
-        .bind(ids_json(ids))
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        if result.rows_affected() > 0 {
-            wake(&self.notify);
-        }
-        Ok(result.rows_affected())
-    }
-
-    async fn job_discard_plan(&self, id: JobId) -> Result<bool> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let row = sqlx::query("SELECT plan, payload FROM jobs WHERE id = ?1 AND state = 'dead'")
-            .bind(id.0)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let Some(row) = row else {
-            return Ok(false);
-        };
-        let plan: Option<String> = row.try_get("plan")?;
-        let payload: Vec<u8> = row.try_get("payload")?;
-        // A redacted job cannot make a new plan: its plugin would be handed
-        // the redaction reference instead of the payload.
-        let (Some(plan), false) = (plan, shared::is_redacted(&payload)) else {
-            return Ok(false);
-        };
-        let keys = shared::plan_keys(std::iter::once(&plan));
-        if !keys.is_empty() {
-            let done: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM effects WHERE (status <> 'failed' OR last_error_code = 'ambiguous_not_retried') AND key IN (SELECT value FROM json_each(?1))",
-            )
-            .bind(serde_json::to_string(&keys).map_err(|e| StoreError::Invalid(format!("keys do not serialise: {e}")))?)
-            .fetch_one(&mut *tx)
-            .await?;
-            if done > 0 {
-                return Ok(false);
-            }
-            // This job's permanently failed keys go with the plan: the new
-            // plan may use the same keys for corrected requests.
-            sqlx::query(
-                "DELETE FROM effects WHERE status = 'failed' AND job_id = ?2 AND key IN (SELECT value FROM json_each(?1))",
-            )
-            .bind(serde_json::to_string(&keys).map_err(|e| StoreError::Invalid(format!("keys do not serialise: {e}")))?)
-            .bind(id.0)
-            .execute(&mut *tx)
-            .await?;
-        }
-        sqlx::query(sql!(
-            "UPDATE jobs SET plan = NULL, plan_hash = NULL, updated_at = {now} \
-             WHERE id = ?1 AND state = 'dead'"
-        ))
-        .bind(id.0)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
+    async fn try_lock_pruning(&mut self) -> Result<bool> {
         Ok(true)
     }
-
-    async fn job_cancel(&self, id: JobId) -> Result<bool> {
-        let result = sqlx::query(sql!(
-            "UPDATE jobs SET state = 'cancelled', finished_at = {now}, updated_at = {now} \
-             WHERE id = ?1 AND state IN ('available', 'retrying')"
-        ))
-        .bind(id.0)
-        .execute(&self.pool)
-        .await?;
-        Ok(result.rows_affected() > 0)
-    }
-
-    async fn job_delete_finished(&self, params: PruneParams) -> Result<u64> {
-        if params.limit == 0 {
-            return Ok(0);
-        }
-        let result = sqlx::query(sql!(
-            "DELETE FROM jobs WHERE id IN (\
-                 SELECT id FROM jobs \
-                 WHERE state IN ('succeeded', 'dead', 'cancelled') \
-                   AND finished_at < {now} - min(?1, ?2) \
-                   AND ((state IN ('succeeded', 'cancelled') AND finished_at < {now} - ?1) \
-                        OR (state = 'dead' AND finished_at < {now} - ?2)) \
-                 ORDER BY finished_at LIMIT ?3)"
-        ))
-        .bind(shared::millis(params.succeeded_older_than))
-        .bind(shared::millis(params.dead_older_than))
-        .bind(i64::from(params.limit))
-        .execute(&self.pool)
-        .await?;
-        Ok(result.rows_affected())
-    }
-
-    async fn job_redact_payloads(&self, ids: &[JobId]) -> Result<u64> {
-        let rows = sqlx::query(
-            "SELECT id, payload FROM jobs WHERE state = 'dead' AND id IN (SELECT value FROM json_each(?1))",
-        )
-        .bind(ids_json(ids))
-        .fetch_all(&self.pool)
-        .await?;
-        let mut redacted = 0;
-        for row in rows {
-            let id: i64 = row.try_get("id")?;
-            let payload: Vec<u8> = row.try_get("payload")?;
-            if shared::is_redacted(&payload) {
-                continue;
-            }
-            redacted += sqlx::query(sql!(
-                "UPDATE jobs SET payload = ?2, updated_at = {now} WHERE id = ?1 AND state = 'dead'"
-            ))
-            .bind(id)
-            .bind(shared::redacted_payload(&payload))
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-        }
-        Ok(redacted)
-    }
-
-    async fn effect_delete_finished(&self, older_than: Duration, limit: u32) -> Result<u64> {
-        let result = sqlx::query(sql!(
-            "DELETE FROM effects WHERE key IN (\
-                 SELECT key FROM effects \
-                 WHERE status <> 'processing' AND updated_at < {now} - ?1 \
-                   AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.id = effects.job_id \
-                                   AND jobs.state <> 'succeeded') \
-                 ORDER BY updated_at LIMIT ?2)"
-        ))
-        .bind(shared::millis(older_than))
-        .bind(i64::from(limit))
-        .execute(&self.pool)
-        .await?;
-        Ok(result.rows_affected())
-    }
-
-    async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats> {
-        let (counts, ready) = match queue {
-            Some(queue) => {
-                let counts = sqlx::query(
-                    "SELECT state, count(*) AS n FROM jobs \
-                     WHERE state IN ('available', 'running', 'retrying', 'succeeded', 'dead', 'cancelled') \
-                       AND queue = ?1 \
-                     GROUP BY state",
-                )
-                .bind(queue)
-                .fetch_all(&self.pool)
-                .await?;
-                let ready = sqlx::query(sql!(
-                    "SELECT count(*) AS n, {now} - min(run_at) AS age FROM jobs \
-                     WHERE queue = ?1 AND state IN ('available', 'retrying') AND run_at <= {now}"
-                ))
-                .bind(queue)
-                .fetch_one(&self.pool)
-                .await?;
-                (counts, ready)
-            }
-            None => {
-                let counts = sqlx::query(
-                    "SELECT state, count(*) AS n FROM jobs \
-                     WHERE state IN ('available', 'running', 'retrying', 'succeeded', 'dead', 'cancelled') \
-                     GROUP BY state",
-                )
-                .fetch_all(&self.pool)
-                .await?;
-                let ready = sqlx::query(sql!(
-                    "SELECT count(*) AS n, {now} - min(run_at) AS age FROM jobs \
-                     WHERE state IN ('available', 'retrying') AND run_at <= {now}"
-                ))
-                .fetch_one(&self.pool)
-                .await?;
-                (counts, ready)
-            }
-        };
-        let mut by_state: Vec<(JobState, i64)> = JobState::ALL.iter().map(|s| (*s, 0)).collect();
-        for row in &counts {
-            let state = shared::parse_state(&row.try_get::<String, _>("state")?)?;
-            let n: i64 = row.try_get("n")?;
-            if let Some(slot) = by_state.iter_mut().find(|(s, _)| *s == state) {
-                slot.1 = n;
-            }
-        }
-        Ok(QueueStats {
-            by_state,
-            ready: ready.try_get("n")?,
-            oldest_ready_age_ms: ready.try_get("age")?,
-        })
-    }
-
-    async fn queue_is_drained(&self) -> Result<bool> {
-        let drained: bool = sqlx::query_scalar(sql!(
-            "SELECT NOT EXISTS (SELECT 1 FROM jobs WHERE state IN ('running', 'retrying')) \
-                AND NOT EXISTS (SELECT 1 FROM jobs WHERE state = 'available' AND run_at <= {now})"
-        ))
-        .fetch_one(&self.pool)
-        .await?;
-        Ok(drained)
-    }
-
-    async fn wait_for_jobs(&self, timeout: Duration) {
-        shared::wait(&self.notify, timeout).await;
-    }
-
-    async fn effect_claim(&self, params: EffectClaimParams) -> Result<EffectClaim> {
-        shared::check_effect_claim(&params)?;
-        let lease = shared::millis(params.lease);
-        let claimed = |attempt: i64| -> Result<EffectClaim> {
-            Ok(EffectClaim::Claimed {
-                fence: EffectFence {
-                    key: params.key.clone(),
-                    worker: params.worker.clone(),
-                    attempt: u32::try_from(attempt).map_err(|_| {
-                        StoreError::Corrupt(format!("effect {:?}: attempt {attempt}", params.key))
-                    })?,
-                },
-            })
-        };
-        let mut last_lease = None;
-        // Each step is one atomic statement; a row that changes between the
-        // failed update and the read (a lease expiring, a failure recorded)
-        // is simply tried again.
-        for _ in 0..5 {
-            let inserted: Option<i64> = sqlx::query_scalar(sql!(
-                "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
-                     lease_owner, lease_until, created_at, updated_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'processing', 1, ?6, {now} + ?7, {now}, {now}) \
-                 ON CONFLICT (key) DO NOTHING RETURNING attempt"
-            ))
-            .bind(&params.key)
-            .bind(params.job_id.0)
-            .bind(&params.plugin)
-            .bind(&params.provider)
-            .bind(&params.fingerprint)
-            .bind(&params.worker)
-            .bind(lease)
-            .fetch_optional(&self.pool)
-            .await?;
-            if let Some(attempt) = inserted {
-                return claimed(attempt);
-            }
-            let updated: Option<i64> = sqlx::query_scalar(sql!(
-                "UPDATE effects SET status = 'processing', attempt = attempt + 1, lease_owner = ?2, \
-                     lease_until = {now} + ?3, updated_at = {now} \
-                 WHERE key = ?1 AND fingerprint = ?4 AND status NOT IN ('succeeded', 'failed') \
-                   AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now}) \
-                 RETURNING attempt"
-            ))
-            .bind(&params.key)
-            .bind(&params.worker)
-            .bind(lease)
-            .bind(&params.fingerprint)
-            .fetch_optional(&self.pool)
-            .await?;
-            if let Some(attempt) = updated {
-                return claimed(attempt);
-            }
-            let row = sqlx::query(sql!(
-                "SELECT fingerprint, status, lease_until, result_ref, last_error_code, {now} AS now \
-                 FROM effects WHERE key = ?1"
-            ))
-            .bind(&params.key)
-            .fetch_optional(&self.pool)
-            .await?;
-            let Some(row) = row else { continue };
-            if let Some(found) = shared::effect_outcome(&row, &params.fingerprint)? {
-                return Ok(found);
-            }
-            last_lease = row.try_get::<Option<i64>, _>("lease_until")?;
-        }
-        // The row kept changing under us: another worker is busy with it.
-        Ok(EffectClaim::LeasedByOther {
-            lease_until_ms: last_lease.unwrap_or_default(),
-        })
-    }
-
-    async fn effect_set_succeeded(
-        &self,
-        fence: &EffectFence,
-        result_ref: Option<&str>,
-    ) -> Result<Fence> {
-        let result = effect_fenced(
-            sql!(
-                "UPDATE effects SET status = 'succeeded', result_ref = ?4, lease_owner = NULL, \
-                     lease_until = NULL, updated_at = {now} \
-                 WHERE {effect_fence}"
-            ),
-            fence,
-        )
-        .bind(result_ref)
-        .execute(&self.pool)
-        .await?;
-        Ok(fence_of(result))
-    }
-
-    async fn effect_set_failed(&self, params: EffectFailParams) -> Result<Fence> {
-        shared::check_effect_failure(&params)?;
-        let result = effect_fenced(
-            sql!(
-                "UPDATE effects SET status = ?4, last_error_code = ?5, last_error_at = {now}, \
-                     lease_owner = NULL, lease_until = NULL, updated_at = {now} \
-                 WHERE {effect_fence}"
-            ),
-            &params.fence,
-        )
-        .bind(params.status.as_str())
-        .bind(&params.error_code)
-        .execute(&self.pool)
-        .await?;
-        Ok(fence_of(result))
-    }
-
-    async fn effect_succeed_with_child(
-        &self,
-        fence: &EffectFence,
-        child: NewJob,
-    ) -> Result<(Fence, Enqueued)> {
-        let job = shared::insertable(child.clone())?;
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let enqueued = insert_one(&mut tx, &job).await?;
-        let result = effect_fenced(
-            sql!(
-                "UPDATE effects SET status = 'succeeded', result_ref = ?4, lease_owner = NULL, \
-                     lease_until = NULL, updated_at = {now} \
-                 WHERE {effect_fence}"
-            ),
-            fence,
-        )
-        .bind(enqueued.id.0.to_string())
-        .execute(&mut *tx)
-        .await?;
-        if result.rows_affected() == 0 {
-            tx.rollback().await?;
-            return Ok((Fence::FencedOut, self.existing_child(&child).await?));
-        }
-        tx.commit().await?;
-        if enqueued.inserted {
-            wake(&self.notify);
-        }
-        Ok((Fence::Applied, enqueued))
-    }
-
-    async fn effect_get(&self, key: &str) -> Result<Option<EffectRecord>> {
-        let row = sqlx::query(sql!("SELECT {effect_cols} FROM effects WHERE key = ?1"))
-            .bind(key)
-            .fetch_optional(&self.pool)
-            .await?;
-        row.as_ref().map(shared::effect_from_row).transpose()
-    }
-
-    async fn effect_list(&self, job_id: JobId) -> Result<Vec<EffectRecord>> {
-        let rows = sqlx::query(sql!(
-            "SELECT {effect_cols} FROM effects WHERE job_id = ?1 ORDER BY created_at, key"
-        ))
-        .bind(job_id.0)
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter().map(shared::effect_from_row).collect()
-    }
-}
-
-fn ids_json(ids: &[JobId]) -> String {
-    let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
-    serde_json::Value::from(ids).to_string()
 }

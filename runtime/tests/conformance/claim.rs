@@ -124,17 +124,19 @@ pub async fn claim_orders_by_priority_run_at_id(store: Arc<dyn Store>) {
         .id;
     let claimed_a = claim_one(&store, "w", LONG).await;
     assert_eq!(claimed_a.id, a);
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    advance(&store, Duration::from_millis(20)).await;
     // a is retried with no delay: its run_at is now later than b's.
-    store
-        .job_set_retrying(idem::store::RetryParams {
+    retry(
+        &store,
+        RetryParams {
             fence: claimed_a.fence(),
             delay: Duration::ZERO,
             error: None,
             refund_attempt: false,
-        })
-        .await
-        .unwrap();
+        },
+    )
+    .await
+    .unwrap();
     let next = store.job_claim(claim_params("w", 2, LONG)).await.unwrap();
     assert_eq!(next.iter().map(|j| j.id).collect::<Vec<_>>(), vec![b, a]);
 }
@@ -142,7 +144,7 @@ pub async fn claim_orders_by_priority_run_at_id(store: Arc<dyn Store>) {
 pub async fn claim_skips_scheduled_jobs(store: Arc<dyn Store>) {
     let later = store
         .job_insert(NewJob {
-            delay: Duration::from_millis(500),
+            delay: Duration::from_secs(500),
             ..job("s")
         })
         .await
@@ -163,7 +165,16 @@ pub async fn claim_skips_scheduled_jobs(store: Arc<dyn Store>) {
             .unwrap()
             .is_empty()
     );
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    advance(&store, Duration::from_secs(490)).await;
+    assert!(
+        store
+            .job_claim(claim_params("w", 10, LONG))
+            .await
+            .unwrap()
+            .is_empty(),
+        "not due before its delay"
+    );
+    advance(&store, Duration::from_secs(11)).await;
     let claimed = store.job_claim(claim_params("w", 10, LONG)).await.unwrap();
     assert_eq!(
         claimed.iter().map(|j| j.id).collect::<Vec<_>>(),
@@ -255,7 +266,7 @@ pub async fn claim_respects_queue_concurrency(store: Arc<dyn Store>) {
         store.job_claim(limited("b", 10)).await.unwrap().is_empty(),
         "queue is full"
     );
-    store.job_set_succeeded(&a[0].fence()).await.unwrap();
+    succeed(&store, &a[0].fence()).await.unwrap();
     let b = store.job_claim(limited("b", 10)).await.unwrap();
     assert_eq!(b.len(), 1);
     assert!(store.job_claim(limited("b", 10)).await.unwrap().is_empty());

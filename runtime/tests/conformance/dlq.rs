@@ -1,7 +1,7 @@
 //! The dead-letter queue: what a dead job keeps, redaction, replay, filters.
 
 use super::*;
-use idem::store::{DeadParams, Fence, JobFilter, JobState, RetryParams};
+use idem::store::{EffectSucceedParams, Fence, JobChange, JobFilter, JobState, SavePlanParams};
 use sha2::{Digest, Sha256};
 
 pub async fn dead_keeps_metadata(store: Arc<dyn Store>) {
@@ -17,37 +17,34 @@ pub async fn dead_keeps_metadata(store: Arc<dyn Store>) {
     for attempt in 1..=2 {
         let claimed = claim_one(&store, &format!("w{attempt}"), LONG).await;
         assert_eq!(claimed.attempt, attempt);
-        store
-            .job_set_plugin_hash(&claimed.fence(), &format!("hash-{attempt}"))
-            .await
-            .unwrap();
-        store
-            .job_set_retrying(RetryParams {
-                fence: claimed.fence(),
+        let retried = change(
+            &store,
+            &claimed.fence(),
+            JobChange::Retry {
                 delay: Duration::ZERO,
                 error: Some(error(attempt, "retryable", "provider_timeout")),
                 refund_attempt: false,
-            })
-            .await
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(5)).await;
+                plugin_hash: Some(format!("hash-{attempt}")),
+            },
+        )
+        .await;
+        assert_eq!(retried, Fence::Applied);
+        advance(&store, Duration::from_millis(5)).await;
     }
     let last = claim_one(&store, "w3", LONG).await;
-    store
-        .job_set_plugin_hash(&last.fence(), "hash-3")
-        .await
-        .unwrap();
-    let outcome = store
-        .job_set_dead(DeadParams {
-            fence: last.fence(),
+    let outcome = change(
+        &store,
+        &last.fence(),
+        JobChange::Dead {
             error: idem::store::ErrorRecord {
                 message: "x".repeat(10_000),
                 ..error(3, "permanent", "invalid_recipient")
             },
             redact_payload: false,
-        })
-        .await
-        .unwrap();
+            plugin_hash: Some("hash-3".into()),
+        },
+    )
+    .await;
     assert_eq!(outcome, Fence::Applied);
 
     let dead = get(&store, id).await;
@@ -111,14 +108,16 @@ pub async fn dead_redacts_payload(store: Arc<dyn Store>) {
         .unwrap()
         .id;
     let claimed = claim_one(&store, "w", LONG).await;
-    let outcome = store
-        .job_set_dead(DeadParams {
+    let outcome = dead_letter(
+        &store,
+        DeadParams {
             fence: claimed.fence(),
             error: error(1, "permanent", "schema_violation"),
             redact_payload: true,
-        })
-        .await
-        .unwrap();
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(outcome, Fence::Applied);
     let dead = get(&store, id).await;
     let reference: serde_json::Value = serde_json::from_slice(&dead.payload).unwrap();
@@ -142,17 +141,23 @@ pub async fn replay_resets_attempts_keeps_key(store: Arc<dyn Store>) {
     let claimed = claim_one(&store, "w", LONG).await;
     assert_eq!(claimed.id, id);
     store
-        .job_save_plan(&claimed.fence(), r#"["plan"]"#, "hash-1")
-        .await
-        .unwrap();
-    store
-        .job_set_dead(DeadParams {
+        .job_save_plan(SavePlanParams {
             fence: claimed.fence(),
-            error: error(1, "permanent", "missing_reference"),
-            redact_payload: false,
+            plan: (r#"["plan"]"#).to_string(),
+            plugin_hash: "hash-1".into(),
         })
         .await
         .unwrap();
+    dead_letter(
+        &store,
+        DeadParams {
+            fence: claimed.fence(),
+            error: error(1, "permanent", "missing_reference"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
 
     // Only dead jobs are replayed.
     assert_eq!(store.job_replay(&[]).await.unwrap(), 0);
@@ -195,14 +200,16 @@ pub async fn dead_jobs_filter_by_plugin_and_code(store: Arc<dyn Store>) {
             let id = store.job_insert(job(plugin)).await.unwrap().id;
             let claimed = claim_one(&store, "w", LONG).await;
             assert_eq!(claimed.id, id);
-            store
-                .job_set_dead(DeadParams {
+            dead_letter(
+                &store,
+                DeadParams {
                     fence: claimed.fence(),
                     error: error(1, "permanent", code),
                     redact_payload: false,
-                })
-                .await
-                .unwrap();
+                },
+            )
+            .await
+            .unwrap();
             id
         }
     };
@@ -278,7 +285,11 @@ pub async fn discard_plan_only_when_no_effect_happened(store: Arc<dyn Store>) {
     let a = store.job_insert(job("p")).await.unwrap().id;
     let claimed_a = claim_one(&store, "w", LONG).await;
     store
-        .job_save_plan(&claimed_a.fence(), &plan(&["a1"]), "h")
+        .job_save_plan(SavePlanParams {
+            fence: claimed_a.fence(),
+            plan: plan(&["a1"]),
+            plugin_hash: "h".into(),
+        })
         .await
         .unwrap();
     let f = fence_of(store.effect_claim(effect("a1")).await.unwrap());
@@ -290,31 +301,45 @@ pub async fn discard_plan_only_when_no_effect_happened(store: Arc<dyn Store>) {
         })
         .await
         .unwrap();
-    store
-        .job_set_dead(idem::store::DeadParams {
+    dead_letter(
+        &store,
+        DeadParams {
             fence: claimed_a.fence(),
             error: error(1, "permanent", "invalid_recipient"),
             redact_payload: false,
-        })
-        .await
-        .unwrap();
+        },
+    )
+    .await
+    .unwrap();
     // B: one of its effects happened; its plan must stay.
     let b = store.job_insert(job("p")).await.unwrap().id;
     let claimed_b = claim_one(&store, "w", LONG).await;
     store
-        .job_save_plan(&claimed_b.fence(), &plan(&["b1", "b2"]), "h")
-        .await
-        .unwrap();
-    let f = fence_of(store.effect_claim(effect("b1")).await.unwrap());
-    store.effect_set_succeeded(&f, Some("r")).await.unwrap();
-    store
-        .job_set_dead(idem::store::DeadParams {
+        .job_save_plan(SavePlanParams {
             fence: claimed_b.fence(),
-            error: error(1, "permanent", "bad_request"),
-            redact_payload: false,
+            plan: plan(&["b1", "b2"]),
+            plugin_hash: "h".into(),
         })
         .await
         .unwrap();
+    let f = fence_of(store.effect_claim(effect("b1")).await.unwrap());
+    store
+        .effect_set_succeeded(EffectSucceedParams {
+            fence: f.clone(),
+            result_ref: Some("r".into()),
+        })
+        .await
+        .unwrap();
+    dead_letter(
+        &store,
+        DeadParams {
+            fence: claimed_b.fence(),
+            error: error(1, "permanent", "bad_request"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
     let live = store.job_insert(job("p")).await.unwrap().id;
 
     assert!(store.job_discard_plan(a).await.unwrap());

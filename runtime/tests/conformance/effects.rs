@@ -3,8 +3,9 @@
 
 use super::*;
 use idem::store::{
-    EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus, Enqueued, Fence,
-    JobFilter, JobState, StoreError,
+    ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectPruneParams,
+    EffectStatus, EffectSucceedParams, Enqueued, Fence, JobFilter, JobState, SavePlanParams,
+    StoreError,
 };
 
 fn claim(key: &str, worker: &str, lease: Duration) -> EffectClaimParams {
@@ -49,11 +50,18 @@ pub async fn effect_claim_then_already_succeeded(store: Arc<dyn Store>) {
     assert_eq!(row.fingerprint, "fp-1");
     assert_eq!(row.lease_owner.as_deref(), Some("w1"));
     let lease = row.lease_until_ms.unwrap() - row.created_at_ms;
-    assert!((59_000..=61_000).contains(&lease), "lease {lease} ms");
+    let asked = LONG.as_millis() as i64;
+    assert!(
+        (asked - 1_000..=asked + 1_000).contains(&lease),
+        "lease {lease} ms"
+    );
 
     assert_eq!(
         store
-            .effect_set_succeeded(&fence, Some("msg-1"))
+            .effect_set_succeeded(EffectSucceedParams {
+                fence: fence.clone(),
+                result_ref: Some("msg-1".into())
+            })
             .await
             .unwrap(),
         Fence::Applied
@@ -82,7 +90,10 @@ pub async fn effect_claim_then_already_succeeded(store: Arc<dyn Store>) {
     }
     assert_eq!(
         store
-            .effect_set_succeeded(&fence, Some("msg-2"))
+            .effect_set_succeeded(EffectSucceedParams {
+                fence: fence.clone(),
+                result_ref: Some("msg-2".into())
+            })
             .await
             .unwrap(),
         Fence::FencedOut
@@ -110,20 +121,15 @@ pub async fn effect_claim_then_already_succeeded(store: Arc<dyn Store>) {
 
 pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
     let a = claimed(&store, claim("k", "a", SHORT)).await;
-    let lease_until = store
-        .effect_get("k")
-        .await
-        .unwrap()
-        .unwrap()
-        .lease_until_ms
-        .unwrap();
-    assert_eq!(
-        store.effect_claim(claim("k", "b", LONG)).await.unwrap(),
-        EffectClaim::LeasedByOther {
-            lease_until_ms: lease_until
-        }
-    );
-    tokio::time::sleep(PAST_SHORT).await;
+    advance(&store, Duration::from_secs(10)).await;
+    match store.effect_claim(claim("k", "b", LONG)).await.unwrap() {
+        EffectClaim::LeasedByOther { remaining } => assert!(
+            remaining > Duration::from_secs(19) && remaining <= Duration::from_secs(20),
+            "20 s of the lease are left by the store's clock, got {remaining:?}"
+        ),
+        other => panic!("expected leased by other, got {other:?}"),
+    }
+    advance(&store, PAST_SHORT - Duration::from_secs(10)).await;
     let b = claimed(&store, claim("k", "b", LONG)).await;
     assert_eq!(b.attempt, 2);
     let row = store.effect_get("k").await.unwrap().unwrap();
@@ -132,7 +138,13 @@ pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
 
     // A is still alive: its finishing writes are fenced out.
     assert_eq!(
-        store.effect_set_succeeded(&a, Some("late")).await.unwrap(),
+        store
+            .effect_set_succeeded(EffectSucceedParams {
+                fence: a.clone(),
+                result_ref: Some("late".into())
+            })
+            .await
+            .unwrap(),
         Fence::FencedOut
     );
     assert_eq!(
@@ -152,7 +164,13 @@ pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
         "unchanged"
     );
     assert_eq!(
-        store.effect_set_succeeded(&b, Some("ref-b")).await.unwrap(),
+        store
+            .effect_set_succeeded(EffectSucceedParams {
+                fence: b.clone(),
+                result_ref: Some("ref-b".into())
+            })
+            .await
+            .unwrap(),
         Fence::Applied
     );
     assert_eq!(
@@ -191,7 +209,13 @@ pub async fn effect_fingerprint_conflict(store: Arc<dyn Store>) {
         "while retrying"
     );
     let fence = claimed(&store, claim("k", "a", LONG)).await;
-    store.effect_set_succeeded(&fence, None).await.unwrap();
+    store
+        .effect_set_succeeded(EffectSucceedParams {
+            fence: fence.clone(),
+            result_ref: None,
+        })
+        .await
+        .unwrap();
     assert_eq!(
         store.effect_claim(other).await.unwrap(),
         conflict,
@@ -299,17 +323,23 @@ pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
     let plan =
         r#"[{"provider":"email","idempotency_key":"k","action":{"type":"custom","body":""}}]"#;
     store
-        .job_save_plan(&carrier.fence(), plan, "h")
-        .await
-        .unwrap();
-    store
-        .job_set_dead(idem::store::DeadParams {
+        .job_save_plan(SavePlanParams {
             fence: carrier.fence(),
-            error: error(1, "permanent", "invalid_recipient"),
-            redact_payload: false,
+            plan: plan.to_string(),
+            plugin_hash: "h".into(),
         })
         .await
         .unwrap();
+    dead_letter(
+        &store,
+        DeadParams {
+            fence: carrier.fence(),
+            error: error(1, "permanent", "invalid_recipient"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(store.job_replay(&[id]).await.unwrap(), 1);
     assert_eq!(
         store.effect_get("k").await.unwrap().unwrap().status,
@@ -350,7 +380,10 @@ async fn children(store: &Arc<dyn Store>) -> Vec<idem::store::Job> {
 pub async fn effect_child_in_transaction(store: Arc<dyn Store>) {
     let fence = claimed(&store, claim("order:7:invoice", "w", LONG)).await;
     let (outcome, enqueued) = store
-        .effect_succeed_with_child(&fence, child("order:7:invoice"))
+        .effect_succeed_with_child(ChildParams {
+            fence: fence.clone(),
+            child: child("order:7:invoice"),
+        })
         .await
         .unwrap();
     assert_eq!(outcome, Fence::Applied);
@@ -368,7 +401,10 @@ pub async fn effect_child_in_transaction(store: Arc<dyn Store>) {
 
     // Done: a second attempt is fenced out and inserts nothing.
     let (again, _) = store
-        .effect_succeed_with_child(&fence, child("order:7:invoice"))
+        .effect_succeed_with_child(ChildParams {
+            fence: fence.clone(),
+            child: child("order:7:invoice"),
+        })
         .await
         .unwrap();
     assert_eq!(again, Fence::FencedOut);
@@ -386,11 +422,14 @@ pub async fn effect_child_in_transaction(store: Arc<dyn Store>) {
 
 pub async fn effect_child_fenced_out(store: Arc<dyn Store>) {
     let stale = claimed(&store, claim("order:8:invoice", "a", SHORT)).await;
-    tokio::time::sleep(PAST_SHORT).await;
+    advance(&store, PAST_SHORT).await;
     let current = claimed(&store, claim("order:8:invoice", "b", LONG)).await;
 
     let (outcome, enqueued) = store
-        .effect_succeed_with_child(&stale, child("order:8:invoice"))
+        .effect_succeed_with_child(ChildParams {
+            fence: stale.clone(),
+            child: child("order:8:invoice"),
+        })
         .await
         .unwrap();
     assert_eq!(outcome, Fence::FencedOut);
@@ -410,7 +449,10 @@ pub async fn effect_child_fenced_out(store: Arc<dyn Store>) {
     );
 
     let (outcome, enqueued) = store
-        .effect_succeed_with_child(&current, child("order:8:invoice"))
+        .effect_succeed_with_child(ChildParams {
+            fence: current.clone(),
+            child: child("order:8:invoice"),
+        })
         .await
         .unwrap();
     assert_eq!(outcome, Fence::Applied);
@@ -419,7 +461,10 @@ pub async fn effect_child_fenced_out(store: Arc<dyn Store>) {
 
     // After the fact the stale worker learns the existing child's id.
     let (outcome, late) = store
-        .effect_succeed_with_child(&stale, child("order:8:invoice"))
+        .effect_succeed_with_child(ChildParams {
+            fence: stale.clone(),
+            child: child("order:8:invoice"),
+        })
         .await
         .unwrap();
     assert_eq!(outcome, Fence::FencedOut);
@@ -437,7 +482,10 @@ pub async fn effect_child_existing_key(store: Arc<dyn Store>) {
     let existing = store.job_insert(child("order:9:invoice")).await.unwrap();
     let fence = claimed(&store, claim("order:9:invoice", "w", LONG)).await;
     let (outcome, enqueued) = store
-        .effect_succeed_with_child(&fence, child("order:9:invoice"))
+        .effect_succeed_with_child(ChildParams {
+            fence: fence.clone(),
+            child: child("order:9:invoice"),
+        })
         .await
         .unwrap();
     assert_eq!(outcome, Fence::Applied);
@@ -482,14 +530,29 @@ pub async fn effect_list_by_job(store: Arc<dyn Store>) {
 
 pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>) {
     let done = claimed(&store, claim("old-done", "a", LONG)).await;
-    store.effect_set_succeeded(&done, Some("r")).await.unwrap();
+    store
+        .effect_set_succeeded(EffectSucceedParams {
+            fence: done.clone(),
+            result_ref: Some("r".into()),
+        })
+        .await
+        .unwrap();
     claimed(&store, claim("old-in-flight", "a", LONG)).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    advance(&store, Duration::from_secs(50)).await;
     let recent = claimed(&store, claim("recent", "a", LONG)).await;
-    store.effect_set_succeeded(&recent, None).await.unwrap();
-    // Older than 40 ms: only the finished old row goes.
-    let cutoff = Duration::from_millis(40);
-    assert_eq!(store.effect_delete_finished(cutoff, 100).await.unwrap(), 1);
+    store
+        .effect_set_succeeded(EffectSucceedParams {
+            fence: recent.clone(),
+            result_ref: None,
+        })
+        .await
+        .unwrap();
+    // Older than 40 s: only the finished old row goes.
+    let cutoff = |limit| EffectPruneParams {
+        older_than: Duration::from_secs(40),
+        limit,
+    };
+    assert_eq!(store.effect_delete_finished(cutoff(100)).await.unwrap(), 1);
     assert!(store.effect_get("old-done").await.unwrap().is_none());
     assert!(
         store.effect_get("old-in-flight").await.unwrap().is_some(),
@@ -497,7 +560,7 @@ pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>)
     );
     assert!(store.effect_get("recent").await.unwrap().is_some());
     assert_eq!(
-        store.effect_delete_finished(cutoff, 0).await.unwrap(),
+        store.effect_delete_finished(cutoff(0)).await.unwrap(),
         0,
         "limit respected"
     );
@@ -507,16 +570,24 @@ pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>)
     let mut params = claim("dead-job-key", "a", LONG);
     params.job_id = id;
     let f = claimed(&store, params).await;
-    store.effect_set_succeeded(&f, None).await.unwrap();
     store
-        .job_set_dead(idem::store::DeadParams {
-            fence: held.fence(),
-            error: error(1, "permanent", "x"),
-            redact_payload: false,
+        .effect_set_succeeded(EffectSucceedParams {
+            fence: f.clone(),
+            result_ref: None,
         })
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    store.effect_delete_finished(cutoff, 100).await.unwrap();
+    dead_letter(
+        &store,
+        DeadParams {
+            fence: held.fence(),
+            error: error(1, "permanent", "x"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
+    advance(&store, Duration::from_secs(50)).await;
+    store.effect_delete_finished(cutoff(100)).await.unwrap();
     assert!(store.effect_get("dead-job-key").await.unwrap().is_some());
 }

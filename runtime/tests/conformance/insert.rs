@@ -105,7 +105,7 @@ pub async fn insert_duplicate_key_returns_existing(store: Arc<dyn Store>) {
     // The key stays taken after the job finished.
     let claimed = claim_one(&store, "w", LONG).await;
     assert_eq!(claimed.id, first.id);
-    store.job_set_succeeded(&claimed.fence()).await.unwrap();
+    succeed(&store, &claimed.fence()).await.unwrap();
     let after = store
         .job_insert(keyed("a", "order:1:invoice"))
         .await

@@ -12,7 +12,9 @@
 //! - [`lifecycle`]: leases, fencing, retries, release, plans, pruning, stats.
 //! - [`dlq`]: the dead-letter queue and replay.
 //! - [`effects`]: the effect ledger.
+//! - [`batch`]: batched writes and the group commit's buffer.
 
+pub mod batch;
 pub mod claim;
 pub mod dlq;
 pub mod effects;
@@ -20,7 +22,11 @@ pub mod insert;
 pub mod lifecycle;
 
 use futures::future::BoxFuture;
-use idem::store::{ClaimParams, ErrorRecord, Job, JobFence, JobId, NewJob, Store};
+use idem::failure::ErrorClass;
+use idem::store::{
+    ClaimParams, ErrorRecord, Fence, Job, JobChange, JobFence, JobId, NewJob, Result, Store, Write,
+    Written,
+};
 use std::any::Any;
 use std::future::Future;
 use std::sync::Arc;
@@ -112,6 +118,8 @@ macro_rules! conformance_suite {
             effects::effect_child_existing_key,
             effects::effect_list_by_job,
             effects::effect_prune_keeps_recent_and_in_flight_rows,
+            batch::batch_answers_each_write_in_order_some_fenced_out,
+            batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
@@ -164,11 +172,17 @@ pub async fn get(store: &Arc<dyn Store>, id: JobId) -> Job {
     store.job_get(id).await.unwrap().expect("job exists")
 }
 
-/// A classified error record.
+/// A classified error record (`class`: retryable, permanent or ambiguous).
 pub fn error(attempt: u32, class: &str, code: &str) -> ErrorRecord {
+    let class = match class {
+        "retryable" => ErrorClass::Retryable,
+        "permanent" => ErrorClass::Permanent,
+        "ambiguous" => ErrorClass::Ambiguous,
+        other => panic!("no error class {other:?}"),
+    };
     ErrorRecord {
         attempt,
-        class: class.into(),
+        class,
         code: code.into(),
         message: format!("{code} happened"),
         at_ms: 0,
@@ -184,8 +198,114 @@ pub fn other_worker(fence: &JobFence, worker: &str) -> JobFence {
 }
 
 /// Long enough that no lease in a test runs out by accident.
-pub const LONG: Duration = Duration::from_secs(60);
-/// A lease meant to run out during the test.
-pub const SHORT: Duration = Duration::from_millis(150);
-/// Sleep this long for a [`SHORT`] lease to have run out.
-pub const PAST_SHORT: Duration = Duration::from_millis(250);
+pub const LONG: Duration = Duration::from_secs(600);
+/// A lease meant to run out during the test (by moving the store's clock).
+pub const SHORT: Duration = Duration::from_secs(30);
+/// Move the store's clock this far for a [`SHORT`] lease to have run out.
+pub const PAST_SHORT: Duration = Duration::from_secs(31);
+
+/// Moves the store's clock forward (every fixture opens its store with an
+/// adjustable clock): leases run out and delays pass without sleeping.
+pub async fn advance(store: &Arc<dyn Store>, by: Duration) {
+    store
+        .clock_advance(by)
+        .await
+        .expect("the fixture's clock moves");
+}
+
+/// True when no job is runnable now, running or retrying (jobs a producer
+/// scheduled for later do not count), from the queue statistics.
+pub async fn drained(store: &Arc<dyn Store>) -> bool {
+    let stats = store.queue_stats(None).await.unwrap();
+    stats.ready == 0
+        && stats.count(idem::store::JobState::Running) == 0
+        && stats.count(idem::store::JobState::Retrying) == 0
+}
+
+/// A retry (or deferral) of a claimed job, as the worker records it.
+#[derive(Debug, Clone)]
+pub struct RetryParams {
+    pub fence: JobFence,
+    pub delay: Duration,
+    pub error: Option<ErrorRecord>,
+    pub refund_attempt: bool,
+}
+
+/// A dead-lettering of a claimed job.
+#[derive(Debug, Clone)]
+pub struct DeadParams {
+    pub fence: JobFence,
+    pub error: ErrorRecord,
+    pub redact_payload: bool,
+}
+
+/// A lease extension.
+#[derive(Debug, Clone)]
+pub struct HeartbeatParams {
+    pub fence: JobFence,
+    pub lease: Duration,
+}
+
+async fn job_write(store: &Arc<dyn Store>, fence: JobFence, change: JobChange) -> Result<Fence> {
+    match store.write(Write::Job { fence, change }).await? {
+        Written::Job(fence) => Ok(fence),
+        other => panic!("a job change answered {other:?}"),
+    }
+}
+
+/// Finishes a job.
+pub async fn succeed(store: &Arc<dyn Store>, fence: &JobFence) -> Result<Fence> {
+    let change = JobChange::Succeed {
+        plugin_hash: None,
+        plan: None,
+    };
+    job_write(store, fence.clone(), change).await
+}
+
+/// Schedules a job's next attempt.
+pub async fn retry(store: &Arc<dyn Store>, params: RetryParams) -> Result<Fence> {
+    let change = JobChange::Retry {
+        delay: params.delay,
+        error: params.error,
+        refund_attempt: params.refund_attempt,
+        plugin_hash: None,
+    };
+    job_write(store, params.fence, change).await
+}
+
+/// Dead-letters a job.
+pub async fn dead_letter(store: &Arc<dyn Store>, params: DeadParams) -> Result<Fence> {
+    let change = JobChange::Dead {
+        error: params.error,
+        redact_payload: params.redact_payload,
+        plugin_hash: None,
+    };
+    job_write(store, params.fence, change).await
+}
+
+/// Extends a job's lease.
+pub async fn heartbeat(store: &Arc<dyn Store>, params: HeartbeatParams) -> Result<Fence> {
+    let change = JobChange::Heartbeat {
+        lease: params.lease,
+    };
+    job_write(store, params.fence, change).await
+}
+
+/// Commits a job change and returns whether it was applied.
+pub async fn change(
+    store: &Arc<dyn Store>,
+    fence: &JobFence,
+    change: JobChange,
+) -> idem::store::Fence {
+    match store
+        .write(Write::Job {
+            fence: fence.clone(),
+            change,
+        })
+        .await
+        .unwrap()
+    {
+        Written::Job(fence) => fence,
+        other => panic!("a job change answered {other:?}"),
+    }
+}

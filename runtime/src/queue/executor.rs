@@ -7,17 +7,18 @@
 //! and record the result, fenced by the claim. A child job is enqueued in
 //! the same transaction that marks its effect succeeded.
 
-use super::{Action, Effect};
-use crate::failure::{ErrorClass, Failure};
+use super::outcome::DeferReason;
+use super::stats::WorkerStats;
+use crate::effects::{Action, Effect, fingerprint};
+use crate::failpoint::{self, Failpoint};
+use crate::failure::{Code, ErrorClass, Failure};
 use crate::metrics;
 use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
-use crate::queue::stats::WorkerStats;
 use crate::store::{
-    EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus, Fence, Job,
-    NewJob, Store, StoreError, retry_transient,
+    ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus,
+    EffectSucceedParams, Fence, Job, NewJob, Store, StoreError, retry_transient,
 };
-use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -37,8 +38,8 @@ pub enum PlanOutcome {
     Deferred {
         /// Delay before the next try.
         delay: Duration,
-        /// Why (a code for logs).
-        reason: &'static str,
+        /// Why.
+        reason: DeferReason,
     },
     /// The store failed; the job's lease will expire and it will be redelivered.
     Store(StoreError),
@@ -64,26 +65,9 @@ pub struct Executor {
     pub stats: Arc<WorkerStats>,
 }
 
-/// SHA-256 of the provider and action: the identity of a request, so one key
-/// reused for a different request is detected.
-///
-/// ```
-/// use idem::effects::{Action, Effect, executor::fingerprint};
-/// let e = Effect { provider: "p".into(), idempotency_key: "k".into(), action: Action::Custom { body: vec![] } };
-/// assert_eq!(fingerprint(&e).len(), 64);
-/// ```
-pub fn fingerprint(effect: &Effect) -> String {
-    let mut hasher = Sha256::new();
-    hasher.update(effect.provider.as_bytes());
-    hasher.update([0]);
-    // serde_json writes struct fields in declaration order: stable across runs.
-    hasher.update(serde_json::to_vec(&effect.action).unwrap_or_default());
-    hex::encode(hasher.finalize())
-}
-
 fn conflict(effect: &Effect) -> PlanOutcome {
-    PlanOutcome::Failed(Failure::permanent(
-        "idempotency_key_conflict",
+    PlanOutcome::Failed(Failure::host(
+        Code::IdempotencyKeyConflict,
         format!(
             "the key {:?} was used before for a different request",
             effect.idempotency_key
@@ -93,7 +77,7 @@ fn conflict(effect: &Effect) -> PlanOutcome {
 
 fn failed_before(effect: &Effect, code: &str) -> PlanOutcome {
     PlanOutcome::Failed(Failure::permanent(
-        code.to_string(),
+        code,
         format!(
             "the effect {:?} failed permanently before ({code}); replay its job once the cause is fixed",
             effect.idempotency_key
@@ -107,21 +91,13 @@ impl Executor {
     pub fn check_grants(
         &self,
         plan: &[Effect],
-        allowed: impl Fn(&str) -> bool,
+        allowed: impl Fn(&Effect) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
         for effect in plan {
-            if !allowed(&effect.provider) {
-                return Err(Failure::permanent(
-                    "effect_not_allowed",
-                    format!(
-                        "effect {:?} uses provider {:?}, which the plugin's manifest does not grant",
-                        effect.idempotency_key, effect.provider
-                    ),
-                ));
-            }
+            allowed(effect)?;
             if effect.provider != JOBS_PROVIDER && self.providers.get(&effect.provider).is_none() {
-                return Err(Failure::permanent(
-                    "provider_not_configured",
+                return Err(Failure::host(
+                    Code::ProviderNotConfigured,
                     format!(
                         "no provider named {:?} is configured on this host",
                         effect.provider
@@ -130,8 +106,8 @@ impl Executor {
             }
             if effect.provider == JOBS_PROVIDER && !matches!(effect.action, Action::Enqueue { .. })
             {
-                return Err(Failure::permanent(
-                    "unsupported_action",
+                return Err(Failure::host(
+                    Code::UnsupportedAction,
                     format!(
                         "the jobs provider only enqueues jobs, not {} effects",
                         effect.action.kind()
@@ -142,9 +118,10 @@ impl Executor {
         Ok(())
     }
 
-    /// Executes a plan for a claimed job. When `abort` fires (shutdown), the
-    /// provider call in flight is abandoned and its key handed back at once
-    /// (the provider's dedupe makes the next call safe).
+    /// Executes a plan for a claimed job, effect by effect. When `abort`
+    /// fires (shutdown or a lost lease), the plan stops before the next
+    /// effect; a provider call in flight is never cancelled, so its answer
+    /// is always recorded under its key.
     pub async fn execute(
         &self,
         job: &Job,
@@ -172,13 +149,19 @@ impl Executor {
     ) -> Result<(), PlanOutcome> {
         if effect.provider == JOBS_PROVIDER {
             let fence = self.claim(job, effect, self.effect_lease).await?;
-            return self.enqueue_child(job, effect, &fence).await;
+            failpoint::hit(Failpoint::AfterKeyClaimed)
+                .await
+                .map_err(PlanOutcome::Store)?;
+            self.enqueue_child(job, effect, &fence).await?;
+            return failpoint::hit(Failpoint::AfterKeyMarked)
+                .await
+                .map_err(PlanOutcome::Store);
         }
         let Some(provider) = self.providers.get(&effect.provider) else {
             // A stored plan can outlive the host configuration it was
             // checked against; nothing is claimed, so a fixed host can replay it.
-            return Err(PlanOutcome::Failed(Failure::permanent(
-                "provider_not_configured",
+            return Err(PlanOutcome::Failed(Failure::host(
+                Code::ProviderNotConfigured,
                 format!(
                     "no provider named {:?} is configured on this host",
                     effect.provider
@@ -197,8 +180,8 @@ impl Executor {
             Err(open) => {
                 metrics::effect(&effect.provider, "deferred");
                 return Err(PlanOutcome::Deferred {
-                    delay: open.retry_after.unwrap_or(Duration::from_secs(1)),
-                    reason: "circuit_open",
+                    delay: open.retry_after,
+                    reason: DeferReason::CircuitOpen,
                 });
             }
         };
@@ -219,7 +202,15 @@ impl Executor {
                 return Err(outcome);
             }
         };
-        self.call_provider(effect, &fence, &provider, permit).await
+        if let Err(error) = failpoint::hit(Failpoint::AfterKeyClaimed).await {
+            permit.release();
+            return Err(PlanOutcome::Store(error));
+        }
+        self.call_provider(effect, &fence, &provider, permit)
+            .await?;
+        failpoint::hit(Failpoint::AfterKeyMarked)
+            .await
+            .map_err(PlanOutcome::Store)
     }
 
     /// What the ledger already settled for this key (done, failed, or used
@@ -239,7 +230,9 @@ impl Executor {
             }
             EffectStatus::Failed => Some(failed_before(
                 effect,
-                row.last_error_code.as_deref().unwrap_or("effect_failed"),
+                row.last_error_code
+                    .as_deref()
+                    .unwrap_or(Code::EffectFailed.as_str()),
             )),
             EffectStatus::Processing | EffectStatus::Retrying => None,
         })
@@ -279,19 +272,17 @@ impl Executor {
                 self.hit(effect, result_ref.as_deref());
                 Err(PlanOutcome::Skipped)
             }
-            EffectClaim::LeasedByOther { lease_until_ms } => {
+            EffectClaim::LeasedByOther { remaining } => {
                 // The holder usually finishes in milliseconds; look again
                 // soon (the deferral costs no attempt) rather than waiting
                 // out a lease that is only there for crashed holders.
-                let now = chrono::Utc::now().timestamp_millis();
-                let remaining = Duration::from_millis((lease_until_ms - now).max(0) as u64);
                 let wait =
                     remaining.min(DEFER_LEASED) + Duration::from_millis(rand::random_range(0..200));
                 tracing::info!(?wait, "another worker holds this effect: deferring the job");
                 metrics::effect(&effect.provider, "deferred");
                 Err(PlanOutcome::Deferred {
                     delay: wait,
-                    reason: "effect_leased_by_other",
+                    reason: DeferReason::EffectLeasedByOther,
                 })
             }
             EffectClaim::Conflict { .. } => Err(conflict(effect)),
@@ -313,8 +304,10 @@ impl Executor {
             priority,
         } = &effect.action
         else {
-            let failure =
-                Failure::permanent("unsupported_action", "the jobs provider only enqueues jobs");
+            let failure = Failure::host(
+                Code::UnsupportedAction,
+                "the jobs provider only enqueues jobs",
+            );
             self.fail(fence, &failure).await?;
             return Err(PlanOutcome::Failed(failure));
         };
@@ -328,8 +321,12 @@ impl Executor {
             max_attempts: self.child_max_attempts,
             correlation_id: Some(job.correlation_id.clone()),
         };
+        let params = ChildParams {
+            fence: fence.clone(),
+            child,
+        };
         let (written, enqueued) =
-            retry_transient(|| self.store.effect_succeed_with_child(fence, child.clone()))
+            retry_transient(|| self.store.effect_succeed_with_child(params.clone()))
                 .await
                 .map_err(PlanOutcome::Store)?;
         if written == Fence::FencedOut {
@@ -360,6 +357,9 @@ impl Executor {
             result.as_ref().err().map(|f| f.code.as_str()),
         );
         permit.record(result.as_ref().map(|_| ()).map_err(|f| f.class));
+        failpoint::hit(Failpoint::AfterProviderCall)
+            .await
+            .map_err(PlanOutcome::Store)?;
         match result {
             Ok(delivered) => {
                 tracing::info!(
@@ -367,12 +367,13 @@ impl Executor {
                     ?took,
                     "effect carried out"
                 );
-                let written = retry_transient(|| {
-                    self.store
-                        .effect_set_succeeded(fence, delivered.result_ref.as_deref())
-                })
-                .await
-                .map_err(PlanOutcome::Store)?;
+                let params = EffectSucceedParams {
+                    fence: fence.clone(),
+                    result_ref: delivered.result_ref,
+                };
+                let written = retry_transient(|| self.store.effect_set_succeeded(params.clone()))
+                    .await
+                    .map_err(PlanOutcome::Store)?;
                 if written == Fence::FencedOut {
                     self.fenced_out("effect success");
                 }
@@ -386,8 +387,8 @@ impl Executor {
                 {
                     // Without provider-side dedupe a retry could repeat the
                     // effect: stop and let a human decide from the DLQ.
-                    failure = Failure::permanent(
-                        "ambiguous_not_retried",
+                    failure = Failure::host(
+                        Code::AmbiguousNotRetried,
                         format!(
                             "{} (the provider cannot dedupe, so idem will not retry)",
                             failure.message

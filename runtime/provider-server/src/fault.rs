@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// `429`, `500` or `400`.
 ///
 /// ```
-/// use idem::provider_server::Fault;
+/// use idem_provider_server::Fault;
 /// assert_eq!("429".parse::<Fault>(), Ok(Fault::TooManyRequests));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -124,7 +124,7 @@ pub enum FaultSource {
 /// no stored response yet (a replay is never turned into a random fault).
 ///
 /// ```
-/// use idem::provider_server::FaultConfig;
+/// use idem_provider_server::FaultConfig;
 /// let faults = FaultConfig::parse_rates("500=0.1,429=0.05,late=0.02,drop=0.01").unwrap();
 /// assert_eq!(faults.server_error, 0.1);
 /// ```

@@ -31,6 +31,16 @@
 //! request is processed normally (applied, or replayed if the key is already stored) and
 //! the answer comes `late_by` late, or the connection is closed without an answer.
 //! Independently, a body containing one of [`FaultConfig::reject_matching`] gets 400.
+//!
+//! # Layout
+//! - this crate's root: [`ProviderServerConfig`], [`serve`] and [`ProviderServerHandle`].
+//! - `fault`: fault kinds and the random / rule based fault configuration.
+//! - `state`: in-memory provider state and the request decision logic (no I/O).
+//! - `http`: the axum application and a listener whose connections can be killed.
+//!
+//! It is a dev tool: it depends on no part of the `idem` runtime, and the runtime
+//! library depends on it only through its optional `provider-server` feature (the
+//! `idem provider-server` command).
 
 mod fault;
 mod http;
@@ -49,7 +59,7 @@ use state::Shared;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idem::provider_server::ProviderServerConfig;
+/// use idem_provider_server::ProviderServerConfig;
 /// let config = ProviderServerConfig { late_by: Duration::from_millis(300), ..Default::default() };
 /// assert_eq!(config.key_ttl, Duration::from_secs(24 * 3600));
 /// ```

@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 fn idem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_idem"))
+    Command::new(env!("CARGO_BIN_EXE_idem-test"))
         .args(["--plugins-dir", plugins::PLUGINS_DIR])
         .args(args)
         .env(
@@ -116,6 +116,15 @@ fn every_hostile_plugin_gets_its_classified_code_within_its_limit() {
     }
 }
 
+/// The provider server is its own crate now; the `idem` binary still runs it.
+#[test]
+fn the_provider_server_command_is_wired_and_checks_its_flags() {
+    let out = idem(&["provider-server", "--fault-rates", "500=2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--fault-rates"), "{stderr}");
+}
+
 #[test]
 fn an_unknown_plugin_is_a_usage_error_naming_the_loaded_ones() {
     let out = idem(&["invoke", "nope", "--payload", "{}"]);
@@ -149,6 +158,88 @@ fn check_accepts_examples_and_rejects_the_forbidden_import() {
 }
 
 #[test]
+fn check_prints_the_declared_and_the_granted_providers() {
+    let out = idem(&["plugins", "check", plugins::ORDER_SYNC]);
+    let stdout = ok(&out);
+    assert!(
+        stdout.contains(
+            "declared: providers = [\"partner\", \"jobs\"], enqueues = [\"send_invoice_email\"]"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "granted:  providers = [\"partner\", \"jobs\"], enqueues = [\"send_invoice_email\"] (all it declares; order_sync.toml narrows nothing)"
+        ),
+        "{stdout}"
+    );
+    let out = idem(&["plugins", "check", plugins::NOOP]);
+    let stdout = ok(&out);
+    assert!(
+        stdout.contains("granted:  providers = [], enqueues = [] (all it declares; no noop.toml)"),
+        "{stdout}"
+    );
+}
+
+/// A plugins folder holding `send_invoice_email.wasm` and this operator file.
+fn folder_with_operator_file(text: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(
+        plugins::SEND_INVOICE_EMAIL,
+        dir.path().join("send_invoice_email.wasm"),
+    )
+    .expect("copy plugin");
+    std::fs::write(dir.path().join("send_invoice_email.toml"), text).expect("operator file");
+    dir
+}
+
+#[test]
+fn invoke_fails_naming_what_to_add_when_an_effect_is_not_granted() {
+    let dir = folder_with_operator_file("providers = []\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-test"))
+        .args(["--plugins-dir", dir.path().to_str().expect("utf-8")])
+        .args([
+            "invoke",
+            "send_invoice_email",
+            "--payload",
+            r#"{"invoice_id":42,"recipient":"ana@example.com"}"#,
+        ])
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-cli-test-cache"),
+        )
+        .output()
+        .expect("run idem");
+    assert_eq!(out.status.code(), Some(1));
+    let v = json(&out);
+    assert_eq!(v["error"]["code"], "effect_not_allowed", "{v}");
+    assert_eq!(v["effects"][0]["provider"], "email", "{v}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("\"invoice:42:email:v1\""), "{stderr}");
+    assert!(
+        stderr.contains("send_invoice_email.toml leaves it out: add it to `providers` there"),
+        "{stderr}"
+    );
+    // Widening what the plugin declares is refused when the folder loads.
+    let dir = folder_with_operator_file("providers = [\"email\", \"partner\"]\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_idem-test"))
+        .args(["--plugins-dir", dir.path().to_str().expect("utf-8")])
+        .args(["plugins", "list"])
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-cli-test-cache"),
+        )
+        .output()
+        .expect("run idem");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("send_invoice_email.wasm not loaded"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("can only narrow"), "{stderr}");
+}
+
+#[test]
 fn list_shows_names_hashes_and_limits_and_reports_the_bad_file() {
     let out = idem(&["plugins", "list"]);
     assert_eq!(out.status.code(), Some(0));
@@ -159,6 +250,10 @@ fn list_shows_names_hashes_and_limits_and_reports_the_bad_file() {
         stdout.contains("300ms"),
         "hostile_loop's manifest deadline: {stdout}"
     );
+    assert!(
+        stdout.contains("partner,jobs[send_invoice_email]"),
+        "order_sync's declared grants: {stdout}"
+    );
     assert!(!stdout.contains("hostile_forbidden_import"));
     assert!(
         stderr.contains("hostile_forbidden_import.wasm not loaded"),
@@ -168,7 +263,7 @@ fn list_shows_names_hashes_and_limits_and_reports_the_bad_file() {
 
 /// `idem` in a working directory, with extra environment.
 fn idem_in(dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem-test"));
     command
         .current_dir(dir)
         .args(["--plugins-dir", plugins::PLUGINS_DIR])
@@ -308,11 +403,11 @@ fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
 
 fn provider_server() -> (
     tokio::runtime::Runtime,
-    idem::provider_server::ProviderServerHandle,
+    idem_provider_server::ProviderServerHandle,
 ) {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let handle = runtime
-        .block_on(idem::provider_server::ProviderServerHandle::start(
+        .block_on(idem_provider_server::ProviderServerHandle::start(
             Default::default(),
         ))
         .unwrap();
@@ -403,8 +498,8 @@ fn a_worker_killed_mid_run_loses_nothing_and_duplicates_nothing() {
     .unwrap();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let provider = runtime
-        .block_on(idem::provider_server::ProviderServerHandle::start(
-            idem::provider_server::ProviderServerConfig {
+        .block_on(idem_provider_server::ProviderServerHandle::start(
+            idem_provider_server::ProviderServerConfig {
                 processing_delay: Duration::from_millis(300),
                 ..Default::default()
             },
@@ -432,7 +527,7 @@ fn a_worker_killed_mid_run_loses_nothing_and_duplicates_nothing() {
             .collect();
         store.job_insert_many(jobs).await.unwrap();
     });
-    let mut first = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let mut first = Command::new(env!("CARGO_BIN_EXE_idem-test"))
         .current_dir(dir.path())
         .args(["run", "--summary", "false"])
         .env(
@@ -454,7 +549,7 @@ fn a_worker_killed_mid_run_loses_nothing_and_duplicates_nothing() {
     // SIGKILL: no shutdown, no lease given back, calls in flight cut off.
     first.kill().unwrap();
     first.wait().unwrap();
-    let second = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let second = Command::new(env!("CARGO_BIN_EXE_idem-test"))
         .current_dir(dir.path())
         .args(["run", "--exit-when-drained"])
         .env(
@@ -477,4 +572,67 @@ fn a_worker_killed_mid_run_loses_nothing_and_duplicates_nothing() {
             "invoice {i}"
         );
     }
+}
+
+#[test]
+fn enqueue_batch_reads_ndjson_prints_ids_in_order_and_refuses_a_bad_line_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let batch = dir.path().join("jobs.ndjson");
+    std::fs::write(
+        &batch,
+        concat!(
+            "{\"payload\": {\"n\": 1}, \"key\": \"batch:1\"}\n",
+            "\n",
+            "{\"plugin\": \"send_invoice_email\", \"payload\": {\"invoice_id\": 2, \"recipient\": \"b@example.com\"}, \"queue\": \"mail\", \"delay\": \"1h\", \"priority\": 5}\n",
+            "{\"payload\": {\"n\": 3}, \"key\": \"batch:1\"}\n",
+        ),
+    )
+    .unwrap();
+    let path = batch.to_str().unwrap();
+    let out = ok(&idem_in(
+        dir.path(),
+        &["enqueue", "noop", "--batch", path],
+        &[],
+    ));
+    let ids: Vec<i64> = out.lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(ids.len(), 3, "one id per job line: {out}");
+    assert_ne!(ids[0], ids[1]);
+    assert_eq!(ids[0], ids[2], "a repeated key resolves to the first job");
+    let stats: serde_json::Value =
+        serde_json::from_str(&ok(&idem_in(dir.path(), &["stats"], &[]))).unwrap();
+    assert_eq!(stats["available"], 2);
+    let mail: serde_json::Value = serde_json::from_str(&ok(&idem_in(
+        dir.path(),
+        &["stats", "--queue", "mail"],
+        &[],
+    )))
+    .unwrap();
+    assert_eq!(mail["available"], 1);
+    assert_eq!(mail["ready"], 0, "delayed by an hour");
+
+    // Standard input, and a bad line: nothing of the batch is inserted.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem-test"))
+        .current_dir(dir.path())
+        .args(["--plugins-dir", plugins::PLUGINS_DIR])
+        .args(["enqueue", "noop", "--batch", "-"])
+        .env_remove("IDEM_DATABASE_URL")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write as _;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin
+            .write_all(b"{\"payload\": {\"n\": 4}}\n{\"payload\": {}, \"key\": \"bad\\nkey\"}\n")
+            .unwrap();
+    }
+    let refused = child.wait_with_output().unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--batch line 2"), "{stderr}");
+    let stats: serde_json::Value =
+        serde_json::from_str(&ok(&idem_in(dir.path(), &["stats"], &[]))).unwrap();
+    assert_eq!(stats["available"], 2, "the refused batch inserted nothing");
 }

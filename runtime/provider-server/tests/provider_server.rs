@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem::provider_server::{
+use idem_provider_server::{
     Fault, FaultConfig, FaultConfigError, ProviderServerConfig, ProviderServerHandle, UNKEYED,
 };
 use reqwest::{Client, StatusCode};

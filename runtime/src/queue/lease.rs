@@ -1,0 +1,182 @@
+//! The lease keeper: one task extends the leases of every job this worker
+//! holds (running or waiting in the claim-ahead buffer), in one batched
+//! write per round, and stops a job whose lease was lost.
+//!
+//! A job that finishes before a third of its lease has passed costs no
+//! heartbeat at all. A held job is extended once a third of its lease has
+//! passed since the claim or the last extension; the keeper looks every
+//! sixth of the shortest lease, so the first extension always comes between
+//! a third and a half of the claim-time lease, well before it can lapse,
+//! whatever the plugin's own lease.
+
+use crate::store::{Fence, JobChange, JobFence, JobId, Store, StoreError, Write, Written};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Shortest pause between rounds.
+const MIN_TICK: Duration = Duration::from_millis(10);
+
+struct Held {
+    fence: JobFence,
+    /// The lease the next extension asks for (the plugin's).
+    lease: Duration,
+    /// The lease the job holds now (the claim's, then the plugin's).
+    current: Duration,
+    extended_at: Instant,
+    lost: CancellationToken,
+}
+
+/// The leases this worker holds.
+///
+/// ```no_run
+/// # async fn demo(store: std::sync::Arc<dyn idem::store::Store>, job: idem::store::Job) {
+/// use idem::queue::lease::LeaseKeeper;
+/// use std::time::Duration;
+/// let keeper = LeaseKeeper::new(Duration::from_secs(30));
+/// let lost = tokio_util::sync::CancellationToken::new();
+/// keeper.hold(&job, Duration::from_secs(30), lost.clone());
+/// // ... run the job; `lost` is cancelled if another worker took it ...
+/// keeper.release(job.id);
+/// # }
+/// ```
+pub struct LeaseKeeper {
+    held: Mutex<HashMap<JobId, Held>>,
+    tick: Mutex<Duration>,
+}
+
+impl LeaseKeeper {
+    /// A keeper for jobs claimed with `claim_lease`.
+    pub fn new(claim_lease: Duration) -> Self {
+        LeaseKeeper {
+            held: Mutex::new(HashMap::new()),
+            tick: Mutex::new((claim_lease / 6).max(MIN_TICK)),
+        }
+    }
+
+    /// Holds `job` (claimed with `claimed_with`, extended to the same until
+    /// [`LeaseKeeper::set_lease`] says otherwise); `lost` is cancelled when
+    /// the lease is lost.
+    pub fn hold(&self, job: &crate::store::Job, claimed_with: Duration, lost: CancellationToken) {
+        let lease = claimed_with;
+        let mut tick = self.tick.lock().unwrap_or_else(|p| p.into_inner());
+        *tick = (*tick).min((claimed_with.min(lease) / 6).max(MIN_TICK));
+        drop(tick);
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            job.id,
+            Held {
+                fence: job.fence(),
+                lease,
+                current: claimed_with,
+                extended_at: Instant::now(),
+                lost,
+            },
+        );
+    }
+
+    /// Changes the lease a held job is extended to (its plugin is known).
+    pub fn set_lease(&self, id: JobId, lease: Duration) {
+        if let Some(held) = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&id)
+        {
+            held.lease = lease;
+        }
+    }
+
+    /// Stops holding a job (finished, or its lease given back).
+    pub fn release(&self, id: JobId) {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+    }
+
+    /// Stops holding every job; returns their fences (to give them back).
+    pub fn drain(&self) -> Vec<JobFence> {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, held)| held.fence)
+            .collect()
+    }
+
+    /// Jobs held now.
+    pub fn len(&self) -> usize {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Whether no job is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Extends every lease that is a third used, in one batch; cancels the
+    /// tokens of jobs whose lease was lost. Returns how many were extended.
+    pub async fn round(&self, store: &dyn Store) -> Result<usize, StoreError> {
+        crate::failpoint::hit(crate::failpoint::Failpoint::InHeartbeat).await?;
+        let now = Instant::now();
+        let due: Vec<(JobFence, Duration)> = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|h| now.duration_since(h.extended_at) >= h.current / 3)
+            .map(|h| (h.fence.clone(), h.lease))
+            .collect();
+        if due.is_empty() {
+            return Ok(0);
+        }
+        let writes = due
+            .iter()
+            .map(|(fence, lease)| Write::Job {
+                fence: fence.clone(),
+                change: JobChange::Heartbeat { lease: *lease },
+            })
+            .collect();
+        let answers = store.write_batch(writes).await?;
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut extended = 0;
+        for ((fence, lease), answer) in due.into_iter().zip(answers) {
+            let Some(h) = held.get_mut(&fence.id) else {
+                continue;
+            };
+            if h.fence != fence {
+                continue;
+            }
+            match answer {
+                Written::Job(Fence::Applied) => {
+                    h.extended_at = now;
+                    h.current = lease;
+                    extended += 1;
+                }
+                _ => {
+                    tracing::warn!(job_id = %fence.id, "lease lost while held: stopping the job after its current step");
+                    h.lost.cancel();
+                    held.remove(&fence.id);
+                }
+            }
+        }
+        Ok(extended)
+    }
+
+    /// Runs rounds until `stop`; a failed round is logged and tried again at
+    /// the next tick.
+    pub async fn run(&self, store: Arc<dyn Store>, stop: CancellationToken) {
+        loop {
+            let tick = *self.tick.lock().unwrap_or_else(|p| p.into_inner());
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(tick) => {}
+            }
+            if let Err(error) = self.round(&*store).await {
+                tracing::warn!(%error, "heartbeat round failed; will try again");
+            }
+        }
+    }
+}

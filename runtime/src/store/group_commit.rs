@@ -1,0 +1,237 @@
+//! Group commit: the writes of many concurrent callers become one
+//! transaction.
+//!
+//! [`GroupCommit`] sits in front of a store and implements the same
+//! [`Store`] contract. Its writes ([`Store::write_batch`] and every
+//! one-write method built on it) queue for one flusher task, which commits
+//! whatever is queued as one batch as soon as the previous batch is done:
+//! an idle store flushes a lone write at once; a busy one commits many
+//! writes per transaction (one WAL flush on SQLite, one round trip per
+//! statement kind on PostgreSQL). Each caller still learns its own answer
+//! (`Applied` or `FencedOut`) and is answered only after its batch committed,
+//! so a write that must be durable before the next step (a plan before its
+//! first effect, a ledger claim before the provider call) is. Reads, claims
+//! and enqueues pass straight through.
+
+use super::{
+    BackendKind, ClaimParams, EffectPruneParams, EffectRecord, Enqueued, Job, JobFilter, JobId,
+    NewJob, PruneParams, QueueStats, Result, Store, StoreError, Write, Written,
+};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+/// Settings of the flusher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupCommitSettings {
+    /// Most writes in one transaction.
+    pub max_batch: usize,
+    /// How long a flush waits for more writes when fewer than `max_batch`
+    /// are queued (zero: never wait; a busy store batches on its own while
+    /// the previous flush runs).
+    pub max_wait: Duration,
+}
+
+impl Default for GroupCommitSettings {
+    fn default() -> Self {
+        GroupCommitSettings {
+            max_batch: 512,
+            max_wait: Duration::ZERO,
+        }
+    }
+}
+
+struct Pending {
+    write: Write,
+    reply: oneshot::Sender<Result<Written>>,
+}
+
+/// A store whose writes are committed in groups.
+///
+/// ```no_run
+/// # async fn demo() -> idem::store::Result<()> {
+/// use idem::store::group_commit::{GroupCommit, GroupCommitSettings};
+/// let store = idem::store::connect("sqlite://idem.db").await?;
+/// let store = GroupCommit::new(store, GroupCommitSettings::default());
+/// # Ok(()) }
+/// ```
+pub struct GroupCommit {
+    inner: Arc<dyn Store>,
+    queue: mpsc::UnboundedSender<Pending>,
+    flusher: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for GroupCommit {
+    fn drop(&mut self) {
+        // The queue's sender goes with `self`: the flusher commits what is
+        // queued and ends on its own.
+        if let Ok(mut flusher) = self.flusher.try_lock() {
+            flusher.take();
+        }
+    }
+}
+
+impl GroupCommit {
+    /// Starts the flusher in front of `inner`.
+    pub fn new(inner: Arc<dyn Store>, settings: GroupCommitSettings) -> Arc<Self> {
+        let (queue, pending) = mpsc::unbounded_channel();
+        let flusher = tokio::spawn(flush_forever(inner.clone(), pending, settings));
+        Arc::new(GroupCommit {
+            inner,
+            queue,
+            flusher: Mutex::new(Some(flusher)),
+        })
+    }
+
+    /// Stops the flusher at once, as a crash would: queued writes are not
+    /// committed and their callers get [`StoreError::WriterStopped`]; a
+    /// batch in flight either commits or not, as the database decides.
+    /// Later writes fail the same way.
+    pub async fn stop_now(&self) {
+        if let Some(flusher) = self.flusher.lock().await.take() {
+            flusher.abort();
+            let _ = flusher.await;
+        }
+    }
+}
+
+async fn flush_forever(
+    store: Arc<dyn Store>,
+    mut pending: mpsc::UnboundedReceiver<Pending>,
+    settings: GroupCommitSettings,
+) {
+    let max_batch = settings.max_batch.max(1);
+    let mut batch: Vec<Pending> = Vec::with_capacity(max_batch);
+    while let Some(first) = pending.recv().await {
+        batch.push(first);
+        while batch.len() < max_batch {
+            match pending.try_recv() {
+                Ok(next) => batch.push(next),
+                Err(_) => break,
+            }
+        }
+        if batch.len() < max_batch && !settings.max_wait.is_zero() {
+            let deadline = tokio::time::Instant::now() + settings.max_wait;
+            while batch.len() < max_batch {
+                tokio::select! {
+                    next = pending.recv() => match next {
+                        Some(next) => batch.push(next),
+                        None => break,
+                    },
+                    _ = tokio::time::sleep_until(deadline) => break,
+                }
+            }
+        }
+        let (writes, replies): (Vec<Write>, Vec<_>) =
+            batch.drain(..).map(|p| (p.write, p.reply)).unzip();
+        crate::metrics::store_batch(writes.len());
+        match store.write_batch(writes).await {
+            Ok(answers) => {
+                for (reply, answer) in replies.into_iter().zip(answers) {
+                    // A caller that stopped waiting no longer needs the answer.
+                    let _ = reply.send(Ok(answer));
+                }
+            }
+            Err(error) => {
+                let error = Arc::new(error);
+                for reply in replies {
+                    let _ = reply.send(Err(StoreError::Batch(error.clone())));
+                }
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for GroupCommit {
+    fn backend(&self) -> BackendKind {
+        self.inner.backend()
+    }
+
+    async fn job_insert(&self, job: NewJob) -> Result<Enqueued> {
+        self.inner.job_insert(job).await
+    }
+
+    async fn job_insert_many(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>> {
+        self.inner.job_insert_many(jobs).await
+    }
+
+    async fn job_get(&self, id: JobId) -> Result<Option<Job>> {
+        self.inner.job_get(id).await
+    }
+
+    async fn job_list(&self, filter: JobFilter) -> Result<Vec<Job>> {
+        self.inner.job_list(filter).await
+    }
+
+    async fn job_claim(&self, params: ClaimParams) -> Result<Vec<Job>> {
+        self.inner.job_claim(params).await
+    }
+
+    async fn write_batch(&self, writes: Vec<Write>) -> Result<Vec<Written>> {
+        for write in &writes {
+            super::input::check_write(write)?;
+        }
+        let mut answers = Vec::with_capacity(writes.len());
+        for write in writes {
+            let (reply, answer) = oneshot::channel();
+            self.queue
+                .send(Pending { write, reply })
+                .map_err(|_| StoreError::WriterStopped)?;
+            answers.push(answer);
+        }
+        let mut written = Vec::with_capacity(answers.len());
+        for answer in answers {
+            written.push(answer.await.map_err(|_| StoreError::WriterStopped)??);
+        }
+        Ok(written)
+    }
+
+    async fn job_rescue_expired(&self, limit: u32) -> Result<Vec<JobId>> {
+        self.inner.job_rescue_expired(limit).await
+    }
+
+    async fn job_replay(&self, ids: &[JobId]) -> Result<u64> {
+        self.inner.job_replay(ids).await
+    }
+
+    async fn job_discard_plan(&self, id: JobId) -> Result<bool> {
+        self.inner.job_discard_plan(id).await
+    }
+
+    async fn job_cancel(&self, id: JobId) -> Result<bool> {
+        self.inner.job_cancel(id).await
+    }
+
+    async fn job_delete_finished(&self, params: PruneParams) -> Result<u64> {
+        self.inner.job_delete_finished(params).await
+    }
+
+    async fn job_redact_payloads(&self, ids: &[JobId]) -> Result<u64> {
+        self.inner.job_redact_payloads(ids).await
+    }
+
+    async fn effect_delete_finished(&self, params: EffectPruneParams) -> Result<u64> {
+        self.inner.effect_delete_finished(params).await
+    }
+
+    async fn effect_get(&self, key: &str) -> Result<Option<EffectRecord>> {
+        self.inner.effect_get(key).await
+    }
+
+    async fn effect_list(&self, job_id: JobId) -> Result<Vec<EffectRecord>> {
+        self.inner.effect_list(job_id).await
+    }
+
+    async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats> {
+        self.inner.queue_stats(queue).await
+    }
+
+    async fn wait_for_jobs(&self, timeout: Duration) {
+        self.inner.wait_for_jobs(timeout).await
+    }
+
+    async fn clock_advance(&self, by: Duration) -> Result<()> {
+        self.inner.clock_advance(by).await
+    }
+}

@@ -1,0 +1,598 @@
+//! What the store holds and what its methods take: ids, rows, params and
+//! the fenced writes that change a job or an effect.
+
+use crate::failure::ErrorClass;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// A job's id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct JobId(pub i64);
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where a job is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Waiting to be claimed (possibly scheduled for later by its producer).
+    Available,
+    /// Claimed by a worker holding a lease.
+    Running,
+    /// Failed or deferred, waiting for its next attempt at `run_at`.
+    Retrying,
+    /// Done.
+    Succeeded,
+    /// In the dead-letter queue.
+    Dead,
+    /// Cancelled by an operator.
+    Cancelled,
+}
+
+impl JobState {
+    /// Every state.
+    pub const ALL: [JobState; 6] = [
+        JobState::Available,
+        JobState::Running,
+        JobState::Retrying,
+        JobState::Succeeded,
+        JobState::Dead,
+        JobState::Cancelled,
+    ];
+
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Available => "available",
+            JobState::Running => "running",
+            JobState::Retrying => "retrying",
+            JobState::Succeeded => "succeeded",
+            JobState::Dead => "dead",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+}
+
+/// A job to enqueue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewJob {
+    /// Queue name.
+    pub queue: String,
+    /// Plugin that handles it.
+    pub plugin: String,
+    /// Payload bytes (JSON by convention).
+    pub payload: Vec<u8>,
+    /// Unique per plugin: enqueuing the same key again returns the existing job.
+    pub idempotency_key: Option<String>,
+    /// Higher runs first.
+    pub priority: i32,
+    /// Not before this delay from now.
+    pub delay: Duration,
+    /// Attempts before the job is dead-lettered.
+    pub max_attempts: u32,
+    /// Correlation id (generated when absent).
+    pub correlation_id: Option<String>,
+}
+
+impl NewJob {
+    /// A job for `plugin` on the `default` queue with default settings.
+    ///
+    /// ```
+    /// let job = idem::store::NewJob::new("send_invoice_email", br#"{"invoice_id":1}"#.to_vec());
+    /// assert_eq!(job.queue, "default");
+    /// ```
+    pub fn new(plugin: impl Into<String>, payload: Vec<u8>) -> Self {
+        NewJob {
+            queue: "default".into(),
+            plugin: plugin.into(),
+            payload,
+            idempotency_key: None,
+            priority: 0,
+            delay: Duration::ZERO,
+            max_attempts: 10,
+            correlation_id: None,
+        }
+    }
+}
+
+/// What an enqueue did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Enqueued {
+    /// The job's id (the existing job's for a duplicate key).
+    pub id: JobId,
+    /// False when the key already existed and nothing was inserted.
+    pub inserted: bool,
+}
+
+/// One classified failure of one attempt, kept in the job's error history.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorRecord {
+    /// The attempt that failed.
+    pub attempt: u32,
+    /// Retryable, permanent or ambiguous.
+    pub class: ErrorClass,
+    /// Machine-readable code.
+    pub code: String,
+    /// Human message (bounded).
+    pub message: String,
+    /// When, ms since the epoch.
+    pub at_ms: i64,
+}
+
+/// A job row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    /// Id.
+    pub id: JobId,
+    /// Queue.
+    pub queue: String,
+    /// Plugin.
+    pub plugin: String,
+    /// Payload (replaced by a reference when redacted).
+    pub payload: Vec<u8>,
+    /// The producer's idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Priority, higher first.
+    pub priority: i32,
+    /// Earliest next run, ms.
+    pub run_at_ms: i64,
+    /// State.
+    pub state: JobState,
+    /// Attempts started so far (1 during the first run).
+    pub attempt: u32,
+    /// Attempts allowed.
+    pub max_attempts: u32,
+    /// Worker holding the lease.
+    pub lease_owner: Option<String>,
+    /// Lease end, ms.
+    pub lease_until_ms: Option<i64>,
+    /// Last heartbeat, ms.
+    pub heartbeat_at_ms: Option<i64>,
+    /// Last error's code.
+    pub last_error_code: Option<String>,
+    /// Last error's message.
+    pub last_error_message: Option<String>,
+    /// The most recent errors, oldest first (at most [`ERROR_HISTORY`]).
+    pub errors: Vec<ErrorRecord>,
+    /// Correlation id.
+    pub correlation_id: String,
+    /// Content hash of the plugin version of the last attempt.
+    pub plugin_hash: Option<String>,
+    /// The persisted effect plan (JSON), once the plugin returned one.
+    pub plan: Option<String>,
+    /// Content hash of the plugin version that produced the plan.
+    pub plan_hash: Option<String>,
+    /// Times the lease expired and the job was rescued.
+    pub rescues: u32,
+    /// Created, ms.
+    pub created_at_ms: i64,
+    /// Updated, ms.
+    pub updated_at_ms: i64,
+    /// Finished (succeeded, dead, cancelled), ms.
+    pub finished_at_ms: Option<i64>,
+    /// First failure, ms.
+    pub first_failed_at_ms: Option<i64>,
+    /// Last failure, ms.
+    pub last_failed_at_ms: Option<i64>,
+}
+
+/// Whether a payload is a redaction reference (the original is gone).
+///
+/// ```
+/// assert!(!idem::store::is_redacted_payload(b"{}"));
+/// ```
+pub fn is_redacted_payload(payload: &[u8]) -> bool {
+    super::input::is_redacted(payload)
+}
+
+/// Largest payload accepted at enqueue (1 MiB): a job carries a reference
+/// to large data, not the data.
+pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
+
+/// Errors kept per job.
+pub const ERROR_HISTORY: usize = 10;
+
+/// Identifies one attempt of one job by one worker: the fence of every write
+/// that finishes or reschedules it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobFence {
+    /// The job.
+    pub id: JobId,
+    /// The worker that claimed it.
+    pub worker: String,
+    /// The attempt it claimed.
+    pub attempt: u32,
+}
+
+impl Job {
+    /// The fence for this claimed job (panics never; an unclaimed job gets an
+    /// empty owner, which fences nothing in).
+    pub fn fence(&self) -> JobFence {
+        JobFence {
+            id: self.id,
+            worker: self.lease_owner.clone().unwrap_or_default(),
+            attempt: self.attempt,
+        }
+    }
+}
+
+/// Whether a fenced write took effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    /// The row was still ours and was written.
+    Applied,
+    /// The lease was lost (expired and rescued, or taken by another attempt):
+    /// nothing was written.
+    FencedOut,
+}
+
+/// Params of [`Store::job_claim`](super::Store::job_claim).
+#[derive(Debug, Clone)]
+pub struct ClaimParams {
+    /// Queue to claim from.
+    pub queue: String,
+    /// The claiming worker's id.
+    pub worker: String,
+    /// Most jobs to claim.
+    pub limit: u32,
+    /// Lease length for each claimed job (unless the plugin has its own).
+    pub lease: Duration,
+    /// Most jobs of this queue running at once across all workers.
+    pub queue_concurrency: Option<u32>,
+}
+
+/// Params of [`Store::job_save_plan`](super::Store::job_save_plan).
+#[derive(Debug, Clone)]
+pub struct SavePlanParams {
+    /// The attempt.
+    pub fence: JobFence,
+    /// The effect plan (JSON).
+    pub plan: String,
+    /// Content hash of the plugin version that produced it.
+    pub plugin_hash: String,
+}
+
+/// Filter of [`Store::job_list`](super::Store::job_list).
+#[derive(Debug, Clone, Default)]
+pub struct JobFilter {
+    /// Only these states (all when empty).
+    pub states: Vec<JobState>,
+    /// Only this plugin.
+    pub plugin: Option<String>,
+    /// Only this last error code.
+    pub error_code: Option<String>,
+    /// Only these ids (all when empty).
+    pub ids: Vec<JobId>,
+    /// Most rows (newest first by id); 0 means no limit.
+    pub limit: u32,
+}
+
+/// Params of [`Store::job_delete_finished`](super::Store::job_delete_finished).
+#[derive(Debug, Clone)]
+pub struct PruneParams {
+    /// Delete succeeded and cancelled jobs finished longer ago than this.
+    pub succeeded_older_than: Duration,
+    /// Delete dead jobs finished longer ago than this.
+    pub dead_older_than: Duration,
+    /// Most rows per call.
+    pub limit: u32,
+}
+
+/// Params of [`Store::effect_delete_finished`](super::Store::effect_delete_finished).
+#[derive(Debug, Clone)]
+pub struct EffectPruneParams {
+    /// Delete ledger rows that finished longer ago than this.
+    pub older_than: Duration,
+    /// Most rows per call.
+    pub limit: u32,
+}
+
+/// Counts for metrics and `--exit-when-drained`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Jobs per state.
+    pub by_state: Vec<(JobState, i64)>,
+    /// Jobs runnable now (available or retrying, `run_at` passed).
+    pub ready: i64,
+    /// Age in ms of the oldest runnable job.
+    pub oldest_ready_age_ms: Option<i64>,
+}
+
+impl QueueStats {
+    /// Jobs in a state.
+    pub fn count(&self, state: JobState) -> i64 {
+        self.by_state
+            .iter()
+            .find(|(s, _)| *s == state)
+            .map_or(0, |(_, n)| *n)
+    }
+}
+
+/// Effect ledger status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EffectStatus {
+    /// A worker holds the key's lease and is calling the provider.
+    Processing,
+    /// Done; `result_ref` holds the provider's reference.
+    Succeeded,
+    /// Failed retryably; may be claimed again.
+    Retrying,
+    /// Failed permanently; may be claimed again only after a replay.
+    Failed,
+}
+
+impl EffectStatus {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EffectStatus::Processing => "processing",
+            EffectStatus::Succeeded => "succeeded",
+            EffectStatus::Retrying => "retrying",
+            EffectStatus::Failed => "failed",
+        }
+    }
+
+    /// Parses a stored name.
+    pub fn parse(text: &str) -> Option<Self> {
+        [
+            EffectStatus::Processing,
+            EffectStatus::Succeeded,
+            EffectStatus::Retrying,
+            EffectStatus::Failed,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == text)
+    }
+}
+
+/// An effect ledger row (one per idempotency key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectRecord {
+    /// The idempotency key (unique).
+    pub key: String,
+    /// The job that first claimed it.
+    pub job_id: JobId,
+    /// Plugin of that job.
+    pub plugin: String,
+    /// Provider name.
+    pub provider: String,
+    /// SHA-256 of the action.
+    pub fingerprint: String,
+    /// Status.
+    pub status: EffectStatus,
+    /// Claims so far.
+    pub attempt: u32,
+    /// Worker holding the lease.
+    pub lease_owner: Option<String>,
+    /// Lease end, ms.
+    pub lease_until_ms: Option<i64>,
+    /// Provider's reference (message id, child job id, ...).
+    pub result_ref: Option<String>,
+    /// Last error code.
+    pub last_error_code: Option<String>,
+    /// Last error time, ms.
+    pub last_error_at_ms: Option<i64>,
+    /// Created, ms.
+    pub created_at_ms: i64,
+    /// Updated, ms.
+    pub updated_at_ms: i64,
+}
+
+/// Params of [`Store::effect_claim`](super::Store::effect_claim).
+#[derive(Debug, Clone)]
+pub struct EffectClaimParams {
+    /// The idempotency key.
+    pub key: String,
+    /// The job carrying the effect.
+    pub job_id: JobId,
+    /// Its plugin.
+    pub plugin: String,
+    /// Provider name.
+    pub provider: String,
+    /// SHA-256 of the action.
+    pub fingerprint: String,
+    /// The claiming worker.
+    pub worker: String,
+    /// Lease length.
+    pub lease: Duration,
+}
+
+/// What claiming an effect key found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EffectClaim {
+    /// The caller holds the key now and must call the provider.
+    Claimed {
+        /// Fence for the writes that finish it.
+        fence: EffectFence,
+    },
+    /// Done before: skip the effect (an idempotency hit).
+    AlreadySucceeded {
+        /// The stored reference.
+        result_ref: Option<String>,
+    },
+    /// Another worker holds an unexpired lease on the key: defer the job.
+    LeasedByOther {
+        /// How long that lease still runs, by the database clock.
+        remaining: Duration,
+    },
+    /// The effect failed permanently before: not tried again until a replay
+    /// of a job carrying it resets it.
+    Failed {
+        /// The stored error code.
+        code: String,
+    },
+    /// The key was used before for a different action.
+    Conflict {
+        /// The stored fingerprint.
+        existing_fingerprint: String,
+    },
+}
+
+/// Fence of the writes that finish an effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectFence {
+    /// The key.
+    pub key: String,
+    /// The worker holding it.
+    pub worker: String,
+    /// The claim number.
+    pub attempt: u32,
+}
+
+/// Params of [`Store::effect_set_failed`](super::Store::effect_set_failed).
+#[derive(Debug, Clone)]
+pub struct EffectFailParams {
+    /// The claim.
+    pub fence: EffectFence,
+    /// `Retrying` or `Failed`.
+    pub status: EffectStatus,
+    /// Classified code.
+    pub error_code: String,
+}
+
+/// Params of [`Store::effect_set_succeeded`](super::Store::effect_set_succeeded).
+#[derive(Debug, Clone)]
+pub struct EffectSucceedParams {
+    /// The claim.
+    pub fence: EffectFence,
+    /// The provider's reference.
+    pub result_ref: Option<String>,
+}
+
+/// Params of [`Store::effect_succeed_with_child`](super::Store::effect_succeed_with_child).
+#[derive(Debug, Clone)]
+pub struct ChildParams {
+    /// The claim of the `jobs` effect.
+    pub fence: EffectFence,
+    /// The child job, keyed by the effect's key.
+    pub child: NewJob,
+}
+
+/// One fenced write. A batch of them commits in one transaction
+/// ([`Store::write_batch`](super::Store::write_batch)); each keeps its own answer ([`Written`]).
+///
+/// ```
+/// use idem::store::{JobChange, JobFence, JobId, Write};
+/// let fence = JobFence { id: JobId(1), worker: "w#1".into(), attempt: 1 };
+/// let write = Write::Job { fence, change: JobChange::Succeed { plugin_hash: None, plan: None } };
+/// ```
+#[derive(Debug, Clone)]
+pub enum Write {
+    /// A job's state change, fenced by owner and attempt.
+    Job {
+        /// The attempt.
+        fence: JobFence,
+        /// The change.
+        change: JobChange,
+    },
+    /// Claims an effect key (see [`EffectClaim`]).
+    EffectClaim(EffectClaimParams),
+    /// Finishes a claimed effect, fenced by its claim.
+    Effect {
+        /// The claim.
+        fence: EffectFence,
+        /// How it ended.
+        change: EffectChange,
+    },
+}
+
+/// The state changes of a running job: the only ways a worker moves a job.
+#[derive(Debug, Clone)]
+pub enum JobChange {
+    /// Extends the lease to `lease` from now.
+    Heartbeat {
+        /// New lease length.
+        lease: Duration,
+    },
+    /// Stores the plan (unless one is stored already) and the plugin version.
+    SavePlan {
+        /// The plan (JSON).
+        plan: String,
+        /// Plugin content hash.
+        plugin_hash: String,
+    },
+    /// Done.
+    Succeed {
+        /// The plugin version of this attempt, when not recorded with a plan.
+        plugin_hash: Option<String>,
+        /// The plan, kept when none is stored yet (a plan without effects
+        /// is stored with the success, in the same write).
+        plan: Option<String>,
+    },
+    /// Next attempt after `delay` (a deferral when `error` is `None`).
+    Retry {
+        /// Delay.
+        delay: Duration,
+        /// The failure, appended to the history: its `at_ms` is set by the
+        /// database clock, its message cut to
+        /// [`crate::failure::Failure::MAX_MESSAGE`], and only the newest
+        /// [`ERROR_HISTORY`] records are kept.
+        error: Option<ErrorRecord>,
+        /// Give the attempt back (deferrals).
+        refund_attempt: bool,
+        /// The plugin version of this attempt, when not recorded with a plan.
+        plugin_hash: Option<String>,
+    },
+    /// To the dead-letter queue.
+    Dead {
+        /// The failure.
+        error: ErrorRecord,
+        /// Replace the payload by a reference.
+        redact_payload: bool,
+        /// The plugin version of this attempt, when not recorded with a plan.
+        plugin_hash: Option<String>,
+    },
+    /// Lease given back at shutdown: available at once.
+    Release,
+}
+
+/// How a claimed effect ended.
+#[derive(Debug, Clone)]
+pub enum EffectChange {
+    /// Done, with the provider's reference.
+    Succeed {
+        /// The reference.
+        result_ref: Option<String>,
+    },
+    /// Done by enqueuing this child job (unique on its plugin and key),
+    /// in the same transaction; the child's id becomes the reference.
+    SucceedWithChild {
+        /// The child.
+        child: NewJob,
+    },
+    /// Failed: `Retrying` or `Failed`, with a code.
+    Fail {
+        /// `Retrying` or `Failed`.
+        status: EffectStatus,
+        /// Classified code.
+        error_code: String,
+    },
+}
+
+/// The answer to one [`Write`], in the order of the batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Written {
+    /// A job change: applied or fenced out.
+    Job(Fence),
+    /// An effect claim's outcome.
+    EffectClaim(EffectClaim),
+    /// An effect change; for a child job, the child (when fenced out: the
+    /// child that holds the key already, or `JobId(0)` when there is none).
+    Effect {
+        /// Applied or fenced out.
+        fence: Fence,
+        /// The child job, for [`EffectChange::SucceedWithChild`].
+        child: Option<Enqueued>,
+    },
+}

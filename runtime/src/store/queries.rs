@@ -1,0 +1,420 @@
+//! Every statement of the store, written once. Placeholders in braces are
+//! filled from the backend's [`Dialect`] when a store opens; parameters are
+//! `$N` on every backend. Statements that take a [`super::dialect::RowSet`]
+//! (batched writes) read it as the FROM item `t` and take no other
+//! parameter.
+
+use super::ERROR_HISTORY;
+use super::dialect::{ColType, Dialect};
+use crate::failure::Code;
+
+const JOB_COLS: &str = "id, queue, plugin, payload, idempotency_key, priority, run_at, state, \
+    attempt, max_attempts, lease_owner, lease_until, heartbeat_at, last_error_code, \
+    last_error_message, {errors} AS errors, correlation_id, plugin_hash, plan, plan_hash, rescues, \
+    created_at, updated_at, finished_at, first_failed_at, last_failed_at";
+
+const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, attempt, \
+    lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at";
+
+/// The fence of a batched job write against the row set `t`.
+const JOB_FENCE: &str = "jobs.id = t.id AND jobs.state = 'running' \
+    AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt";
+
+/// The fence of a batched effect write against the row set `t`.
+const EFFECT_FENCE: &str = "effects.key = t.key AND effects.lease_owner = t.owner \
+    AND effects.attempt = t.attempt AND effects.status = 'processing'";
+
+use ColType::{Bytes, Int, Text};
+
+/// Columns of the job fence in a row set (first in every job row set).
+const FENCE_COLS: [(&str, ColType); 3] = [("id", Int), ("owner", Text), ("attempt", Int)];
+/// Columns of the effect fence in a row set.
+const EFFECT_FENCE_COLS: [(&str, ColType); 3] = [("key", Text), ("owner", Text), ("attempt", Int)];
+
+/// Columns of a job to insert, in row-set order.
+pub(crate) const INSERT_COLS: [(&str, ColType); 8] = [
+    ("queue", Text),
+    ("plugin", Text),
+    ("payload", Bytes),
+    ("idem_key", Text),
+    ("priority", Int),
+    ("delay_ms", Int),
+    ("max_attempts", Int),
+    ("correlation_id", Text),
+];
+
+/// The statements of one store, expanded for its dialect and clock.
+pub(crate) struct Queries {
+    pub job_insert: String,
+    pub job_by_key: String,
+    pub job_insert_rows: String,
+    pub jobs_by_keys: String,
+    pub job_get: String,
+    pub job_list: String,
+    pub job_claim: String,
+    pub running_in_queue: String,
+    pub job_heartbeat: String,
+    pub job_save_plan: String,
+    pub job_succeed: String,
+    pub job_retry: String,
+    pub job_dead: String,
+    pub job_release: String,
+    pub payloads_of: String,
+    pub job_rescue: String,
+    pub plans_of_dead: String,
+    pub effects_reset_failed: String,
+    pub jobs_replay: String,
+    pub dead_plan: String,
+    pub effects_in_doubt: String,
+    pub effects_drop_failed: String,
+    pub plan_discard: String,
+    pub job_cancel: String,
+    pub jobs_prune: String,
+    pub dead_payloads: String,
+    pub job_set_payload: String,
+    pub effects_prune: String,
+    pub stats_counts: String,
+    pub stats_counts_queue: String,
+    pub stats_ready: String,
+    pub stats_ready_queue: String,
+    pub effect_insert: String,
+    pub effect_take_over: String,
+    pub effect_read: String,
+    pub effect_succeed: String,
+    pub effect_fail: String,
+    pub effect_set_ref: String,
+    pub effect_get: String,
+    pub effect_list: String,
+    pub clock_advance: String,
+}
+
+/// How `now` is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Clock {
+    /// The database clock (production).
+    Database,
+    /// The database clock plus an offset that tests move forward
+    /// ([`super::Store::clock_advance`]) instead of sleeping.
+    Adjustable,
+}
+
+impl Queries {
+    /// Expands every statement for `dialect`.
+    pub fn new(d: &Dialect, clock: Clock) -> Self {
+        let now = match clock {
+            Clock::Database => format!("({})", d.now),
+            Clock::Adjustable => {
+                format!(
+                    "({} + (SELECT offset_ms FROM idem_clock WHERE id = 1))",
+                    d.now
+                )
+            }
+        };
+        let x = |text: &str| expand(d, &now, text);
+        let record_error = |cond: &str, record: &str, code: &str, message: &str| {
+            format!(
+                "errors = CASE WHEN {cond} THEN {appended} ELSE errors END, \
+                 last_error_code = CASE WHEN {cond} THEN {code} ELSE last_error_code END, \
+                 last_error_message = CASE WHEN {cond} THEN {message} ELSE last_error_message END, \
+                 first_failed_at = CASE WHEN {cond} THEN COALESCE(first_failed_at, {{now}}) ELSE first_failed_at END, \
+                 last_failed_at = CASE WHEN {cond} THEN {{now}} ELSE last_failed_at END",
+                appended = (d.append_error)(record, "{now}", ERROR_HISTORY),
+            )
+        };
+        let job_rows = |extra: &[(&'static str, ColType)]| {
+            let cols: Vec<(&str, ColType)> = FENCE_COLS.iter().chain(extra).copied().collect();
+            (d.rows)(&cols)
+        };
+        let effect_rows = |extra: &[(&'static str, ColType)]| {
+            let cols: Vec<(&str, ColType)> =
+                EFFECT_FENCE_COLS.iter().chain(extra).copied().collect();
+            (d.rows)(&cols)
+        };
+        let lease_expired = Code::LeaseExpired.as_str();
+        let lease_expired_record = (d.json_object)(&format!(
+            "'attempt', attempt, 'class', 'ambiguous', 'code', '{lease_expired}', \
+             'message', 'the lease expired before the attempt finished', 'at_ms', 0"
+        ));
+        Queries {
+            job_insert: x(
+                "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, \
+                     run_at, state, max_attempts, correlation_id, created_at, updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, {now} + $6, 'available', $7, $8, {now}, {now}) \
+                 ON CONFLICT (plugin, idempotency_key) DO NOTHING \
+                 RETURNING id",
+            ),
+            job_by_key: x("SELECT id FROM jobs WHERE plugin = $1 AND idempotency_key = $2"),
+            job_insert_rows: x(&format!(
+                "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
+                     state, max_attempts, correlation_id, created_at, updated_at) \
+                 SELECT t.queue, t.plugin, t.payload, t.idem_key, t.priority, {{now}} + t.delay_ms, \
+                     'available', t.max_attempts, t.correlation_id, {{now}}, {{now}} \
+                 FROM {rows} WHERE true ORDER BY t.ord \
+                 ON CONFLICT (plugin, idempotency_key) DO NOTHING \
+                 RETURNING id, plugin, idempotency_key",
+                rows = (d.rows)(&INSERT_COLS),
+            )),
+            jobs_by_keys: x(&format!(
+                "SELECT id, plugin, idempotency_key FROM jobs \
+                 WHERE (plugin, idempotency_key) IN (SELECT t.plugin, t.idem_key FROM {rows})",
+                rows = (d.rows)(&[("plugin", Text), ("idem_key", Text)]),
+            )),
+            job_get: x("SELECT {job_cols} FROM jobs WHERE id = $1"),
+            // Filters are `$N IS NULL OR ...`; state names are inlined by the
+            // caller so the partial indexes match.
+            job_list: x(&format!(
+                "SELECT {{job_cols}} FROM jobs WHERE {{states}} \
+                   AND ($1 IS NULL OR plugin = $1) \
+                   AND ($2 IS NULL OR last_error_code = $2) \
+                   AND ($3 IS NULL OR id IN ({ids})) \
+                 ORDER BY id DESC LIMIT $4",
+                ids = (d.int_list)("$3"),
+            )),
+            job_claim: x("WITH picked AS (\
+                     SELECT id AS pid FROM jobs \
+                     WHERE queue = $3 AND state IN ('available', 'retrying') AND run_at <= {now} \
+                     ORDER BY priority DESC, run_at, id \
+                     LIMIT $4 {skip_locked}) \
+                 UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = $1, \
+                     lease_until = {now} + $2, heartbeat_at = {now}, updated_at = {now} \
+                 FROM picked WHERE jobs.id = picked.pid \
+                 RETURNING {job_cols}"),
+            running_in_queue: x("SELECT count(*) FROM jobs WHERE state = 'running' AND queue = $1"),
+            job_heartbeat: x(&format!(
+                "UPDATE jobs SET lease_until = {{now}} + t.lease, heartbeat_at = {{now}}, \
+                     updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                rows = job_rows(&[("lease", Int)]),
+            )),
+            // A redelivered job keeps its first plan.
+            job_save_plan: x(&format!(
+                "UPDATE jobs SET plan = COALESCE(jobs.plan, t.plan), \
+                     plan_hash = CASE WHEN jobs.plan IS NULL THEN t.hash ELSE jobs.plan_hash END, \
+                     plugin_hash = t.hash, updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                rows = job_rows(&[("plan", Text), ("hash", Text)]),
+            )),
+            job_succeed: x(&format!(
+                "UPDATE jobs SET state = 'succeeded', finished_at = {{now}}, lease_owner = NULL, \
+                     lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
+                     plan = COALESCE(jobs.plan, t.plan), \
+                     plan_hash = CASE WHEN jobs.plan IS NULL AND t.plan IS NOT NULL \
+                         THEN t.hash ELSE jobs.plan_hash END, \
+                     updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                rows = job_rows(&[("hash", Text), ("plan", Text)]),
+            )),
+            job_retry: x(&format!(
+                "UPDATE jobs SET state = 'retrying', run_at = {{now}} + t.delay_ms, \
+                     attempt = {{greatest}}(jobs.attempt - t.refund, 0), lease_owner = NULL, \
+                     lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
+                     {record}, updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                record = record_error(
+                    "t.record IS NOT NULL",
+                    &(d.json_param)("t.record"),
+                    "t.code",
+                    "t.message"
+                ),
+                rows = job_rows(&[
+                    ("delay_ms", Int),
+                    ("refund", Int),
+                    ("hash", Text),
+                    ("record", Text),
+                    ("code", Text),
+                    ("message", Text),
+                ]),
+            )),
+            job_dead: x(&format!(
+                "UPDATE jobs SET state = 'dead', finished_at = {{now}}, lease_owner = NULL, \
+                     lease_until = NULL, payload = COALESCE(t.payload, jobs.payload), \
+                     plugin_hash = COALESCE(t.hash, jobs.plugin_hash), {record}, \
+                     updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                record = record_error(
+                    "t.record IS NOT NULL",
+                    &(d.json_param)("t.record"),
+                    "t.code",
+                    "t.message"
+                ),
+                rows = job_rows(&[
+                    ("payload", Bytes),
+                    ("hash", Text),
+                    ("record", Text),
+                    ("code", Text),
+                    ("message", Text),
+                ]),
+            )),
+            job_release: x(&format!(
+                "UPDATE jobs SET state = 'available', run_at = {{now}}, lease_owner = NULL, \
+                     lease_until = NULL, updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                rows = job_rows(&[]),
+            )),
+            payloads_of: x(&format!(
+                "SELECT id, payload FROM jobs WHERE id IN ({ids})",
+                ids = (d.int_list)("$1"),
+            )),
+            job_rescue: x(&format!(
+                "UPDATE jobs SET \
+                     state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'available' END, \
+                     run_at = CASE WHEN attempt >= max_attempts THEN run_at ELSE {{now}} END, \
+                     finished_at = CASE WHEN attempt >= max_attempts THEN {{now}} ELSE NULL END, \
+                     rescues = rescues + 1, lease_owner = NULL, lease_until = NULL, \
+                     {record}, updated_at = {{now}} \
+                 WHERE id IN (\
+                     SELECT id FROM jobs WHERE state = 'running' AND lease_until < {{now}} \
+                     ORDER BY lease_until LIMIT $1) \
+                 RETURNING id",
+                record = record_error(
+                    "attempt >= max_attempts",
+                    &lease_expired_record,
+                    &format!("'{lease_expired}'"),
+                    "'the lease expired before the attempt finished'"
+                ),
+            )),
+            plans_of_dead: x(&format!(
+                "SELECT plan FROM jobs WHERE state = 'dead' AND id IN ({ids})",
+                ids = (d.int_list)("$1"),
+            )),
+            // Effects of replayed plans that failed permanently may be tried
+            // again: the operator fixed the cause. Their keys stay the same.
+            effects_reset_failed: x(&format!(
+                "UPDATE effects SET status = 'retrying', updated_at = {{now}} \
+                 WHERE status = 'failed' AND key IN ({keys})",
+                keys = (d.text_list)("$1"),
+            )),
+            jobs_replay: x(&format!(
+                "UPDATE jobs SET state = 'available', attempt = 0, run_at = {{now}}, \
+                     finished_at = NULL, lease_owner = NULL, lease_until = NULL, \
+                     updated_at = {{now}} \
+                 WHERE state = 'dead' AND id IN ({ids})",
+                ids = (d.int_list)("$1"),
+            )),
+            dead_plan: x("SELECT plan, payload FROM jobs WHERE id = $1 AND state = 'dead'"),
+            // Ledger rows of a plan that may have reached the outside world:
+            // anything but a permanent failure, and a failure that is only
+            // permanent because idem would not retry an ambiguous call.
+            effects_in_doubt: x(&format!(
+                "SELECT count(*) FROM effects \
+                 WHERE (status <> 'failed' OR last_error_code = $2) AND key IN ({keys})",
+                keys = (d.text_list)("$1"),
+            )),
+            effects_drop_failed: x(&format!(
+                "DELETE FROM effects WHERE status = 'failed' AND job_id = $2 AND key IN ({keys})",
+                keys = (d.text_list)("$1"),
+            )),
+            plan_discard: x(
+                "UPDATE jobs SET plan = NULL, plan_hash = NULL, updated_at = {now} \
+                 WHERE id = $1 AND state = 'dead'",
+            ),
+            job_cancel: x("UPDATE jobs SET state = 'cancelled', finished_at = {now}, \
+                     updated_at = {now} \
+                 WHERE id = $1 AND state IN ('available', 'retrying')"),
+            // `$3` is the smaller retention, so the index on finished_at
+            // bounds the scan.
+            jobs_prune: x("DELETE FROM jobs WHERE id IN (\
+                     SELECT id FROM jobs \
+                     WHERE state IN ('succeeded', 'dead', 'cancelled') \
+                       AND finished_at < {now} - $3 \
+                       AND ((state IN ('succeeded', 'cancelled') AND finished_at < {now} - $1) \
+                            OR (state = 'dead' AND finished_at < {now} - $2)) \
+                     ORDER BY finished_at LIMIT $4 {skip_locked})"),
+            dead_payloads: x(&format!(
+                "SELECT id, payload FROM jobs WHERE state = 'dead' AND id IN ({ids})",
+                ids = (d.int_list)("$1"),
+            )),
+            job_set_payload: x(
+                "UPDATE jobs SET payload = $2, updated_at = {now} WHERE id = $1 AND state = 'dead'",
+            ),
+            effects_prune: x("DELETE FROM effects WHERE key IN (\
+                     SELECT key FROM effects \
+                     WHERE status <> 'processing' AND updated_at < {now} - $1 \
+                       AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.id = effects.job_id \
+                                       AND jobs.state <> 'succeeded') \
+                     ORDER BY updated_at LIMIT $2)"),
+            stats_counts: x("SELECT state, count(*) AS n FROM jobs GROUP BY state"),
+            stats_counts_queue: x(
+                "SELECT state, count(*) AS n FROM jobs WHERE queue = $1 GROUP BY state",
+            ),
+            stats_ready: x(
+                "SELECT count(*) AS n, {now} - min(run_at) AS age FROM jobs \
+                 WHERE state IN ('available', 'retrying') AND run_at <= {now}",
+            ),
+            stats_ready_queue: x(
+                "SELECT count(*) AS n, {now} - min(run_at) AS age FROM jobs \
+                 WHERE queue = $1 AND state IN ('available', 'retrying') AND run_at <= {now}",
+            ),
+            effect_insert: x(&format!(
+                "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
+                     lease_owner, lease_until, created_at, updated_at) \
+                 SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'processing', 1, \
+                     t.owner, {{now}} + t.lease, {{now}}, {{now}} \
+                 FROM {rows} WHERE true ORDER BY t.ord \
+                 ON CONFLICT (key) DO NOTHING RETURNING key, attempt",
+                rows = (d.rows)(&CLAIM_COLS),
+            )),
+            // A row left `processing` by an expired lease, or `retrying`,
+            // is taken over by a conditional update.
+            effect_take_over: x(&format!(
+                "UPDATE effects SET status = 'processing', attempt = effects.attempt + 1, \
+                     lease_owner = t.owner, lease_until = {{now}} + t.lease, updated_at = {{now}} \
+                 FROM {rows} \
+                 WHERE effects.key = t.key AND effects.fingerprint = t.fingerprint \
+                   AND effects.status NOT IN ('succeeded', 'failed') \
+                   AND (effects.status <> 'processing' OR COALESCE(effects.lease_until, 0) < {{now}}) \
+                 RETURNING effects.key, effects.attempt",
+                rows = (d.rows)(&CLAIM_COLS),
+            )),
+            effect_read: x(&format!(
+                "SELECT key, fingerprint, status, lease_until, result_ref, last_error_code, \
+                     {{now}} AS now \
+                 FROM effects WHERE key IN (SELECT t.key FROM {rows})",
+                rows = (d.rows)(&[("key", Text)]),
+            )),
+            effect_succeed: x(&format!(
+                "UPDATE effects SET status = 'succeeded', result_ref = t.result_ref, \
+                     lease_owner = NULL, lease_until = NULL, updated_at = {{now}} \
+                 FROM {rows} WHERE {EFFECT_FENCE} RETURNING effects.key",
+                rows = effect_rows(&[("result_ref", Text)]),
+            )),
+            effect_fail: x(&format!(
+                "UPDATE effects SET status = t.status, last_error_code = t.code, \
+                     last_error_at = {{now}}, lease_owner = NULL, lease_until = NULL, \
+                     updated_at = {{now}} \
+                 FROM {rows} WHERE {EFFECT_FENCE} RETURNING effects.key",
+                rows = effect_rows(&[("status", Text), ("code", Text)]),
+            )),
+            effect_set_ref: x(&format!(
+                "UPDATE effects SET result_ref = t.result_ref FROM {rows} \
+                 WHERE effects.key = t.key AND effects.status = 'succeeded'",
+                rows = (d.rows)(&[("key", Text), ("result_ref", Text)]),
+            )),
+            effect_get: x("SELECT {effect_cols} FROM effects WHERE key = $1"),
+            effect_list: x(
+                "SELECT {effect_cols} FROM effects WHERE job_id = $1 ORDER BY created_at, key",
+            ),
+            clock_advance: x("UPDATE idem_clock SET offset_ms = offset_ms + $1 WHERE id = 1"),
+        }
+    }
+}
+
+/// Columns of an effect claim, in row-set order.
+pub(crate) const CLAIM_COLS: [(&str, ColType); 7] = [
+    ("key", Text),
+    ("job_id", Int),
+    ("plugin", Text),
+    ("provider", Text),
+    ("fingerprint", Text),
+    ("owner", Text),
+    ("lease", Int),
+];
+
+fn expand(d: &Dialect, now: &str, text: &str) -> String {
+    text.replace("{job_cols}", JOB_COLS)
+        .replace("{effect_cols}", EFFECT_COLS)
+        .replace("{errors}", d.errors_col)
+        .replace("{skip_locked}", d.skip_locked)
+        .replace("{greatest}", d.greatest)
+        .replace("{now}", now)
+}

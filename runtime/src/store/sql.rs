@@ -1,0 +1,1349 @@
+//! [`SqlStore`]: the store's logic, written once for every database.
+//!
+//! Each method's body runs inside [`with_db!`], which binds the backend's
+//! concrete pools and compiles the same body once per database: no trait
+//! object or generic executor stands between the logic and sqlx, and the
+//! SQL comes from the store's [`Queries`], expanded for its dialect.
+
+use super::dialect::{BackendKind, BindRows, Dialect, DialectConn, RowSet, WritePool};
+use super::input::{self, Insertable, Slot};
+use super::queries::{Clock, Queries};
+use super::rows;
+use super::*;
+use crate::failure::Code;
+use sqlx::Row;
+use sqlx::postgres::PgPool;
+use sqlx::sqlite::SqlitePool;
+use std::collections::{HashMap, HashSet};
+use tokio::sync::Notify;
+
+/// The pools of one store. SQLite reads from a pool and writes through one
+/// connection; PostgreSQL does both through one pool.
+pub(crate) enum Pools {
+    /// SQLite.
+    Sqlite {
+        /// Readers.
+        read: SqlitePool,
+        /// The one writer connection.
+        write: SqlitePool,
+    },
+    /// PostgreSQL.
+    Postgres(PgPool),
+}
+
+/// Runs `$body` with `$read` and `$write` bound to the store's concrete
+/// pools. The body is inlined once per backend (it is not a closure:
+/// `?` returns from the enclosing method).
+macro_rules! with_db {
+    ($store:expr, |$read:ident, $write:ident| $body:expr) => {
+        match &$store.pools {
+            Pools::Sqlite {
+                read: $read,
+                write: $write,
+            } => $body,
+            Pools::Postgres(pool) => {
+                let ($read, $write) = (pool, pool);
+                $body
+            }
+        }
+    };
+}
+
+/// Inserts one checked job on a connection; returns the existing job for a
+/// duplicate (plugin, key). Expands in place so it works on every
+/// backend's connection type.
+macro_rules! insert_one {
+    ($conn:expr, $queries:expr, $job:expr) => {{
+        let (conn, queries, job) = ($conn, $queries, $job);
+        async move {
+            // The conflicting job can be pruned between the insert and the
+            // read: try again then (pruning only removes old finished jobs).
+            for _ in 0..3 {
+                let id: Option<i64> = sqlx::query_scalar(&queries.job_insert)
+                    .bind(&job.queue)
+                    .bind(&job.plugin)
+                    .bind(&job.payload)
+                    .bind(&job.idempotency_key)
+                    .bind(job.priority)
+                    .bind(job.delay_ms)
+                    .bind(job.max_attempts)
+                    .bind(&job.correlation_id)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                if let Some(id) = id {
+                    return Ok($crate::store::Enqueued {
+                        id: $crate::store::JobId(id),
+                        inserted: true,
+                    });
+                }
+                let existing: Option<i64> = sqlx::query_scalar(&queries.job_by_key)
+                    .bind(&job.plugin)
+                    .bind(&job.idempotency_key)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                if let Some(id) = existing {
+                    return Ok($crate::store::Enqueued {
+                        id: $crate::store::JobId(id),
+                        inserted: false,
+                    });
+                }
+            }
+            Err($crate::store::StoreError::Corrupt(format!(
+                "job key {:?} of plugin {:?} conflicts on insert but cannot be read",
+                job.idempotency_key, job.plugin
+            )))
+        }
+        .await
+    }};
+}
+pub(crate) use insert_one;
+
+/// Inserts a chunk of checked jobs (no (plugin, key) repeated within it) as
+/// one row set; evaluates to their ids in input order, each with whether it
+/// was inserted.
+macro_rules! insert_rows {
+    ($conn:expr, $queries:expr, $jobs:expr) => {{
+        let (conn, queries, jobs): (_, &Queries, &[&Insertable]) = ($conn, $queries, $jobs);
+        async move {
+            let rows = sqlx::query(&queries.job_insert_rows)
+                .bind_rows(insert_row_set(jobs))
+                .fetch_all(&mut *conn)
+                .await?;
+            let mut found = Inserted::default();
+            for row in &rows {
+                found.add(
+                    row.try_get("id")?,
+                    row.try_get("plugin")?,
+                    row.try_get("idempotency_key")?,
+                    true,
+                );
+            }
+            let missing = found.missing(jobs);
+            if !missing.is_empty() {
+                let rows = sqlx::query(&queries.jobs_by_keys)
+                    .bind_rows(
+                        RowSet::new()
+                            .texts(missing.iter().map(|(plugin, _)| plugin.clone()))
+                            .texts(missing.iter().map(|(_, key)| key.clone())),
+                    )
+                    .fetch_all(&mut *conn)
+                    .await?;
+                for row in &rows {
+                    found.add(
+                        row.try_get("id")?,
+                        row.try_get("plugin")?,
+                        row.try_get("idempotency_key")?,
+                        false,
+                    );
+                }
+            }
+            found.in_order(jobs)
+        }
+        .await
+    }};
+}
+
+/// Wakes in-process waiters of [`Store::wait_for_jobs`]: everyone waiting
+/// now, plus one permit for a waiter about to wait (so a job inserted
+/// between its empty claim and its wait is not missed).
+pub(crate) fn wake(notify: &Notify) {
+    notify.notify_waiters();
+    notify.notify_one();
+}
+
+/// The store, on SQLite or PostgreSQL.
+///
+/// ```no_run
+/// # async fn demo() -> idem::store::Result<()> {
+/// use idem::store::{Clock, NewJob, Store};
+/// let store = idem::store::open("sqlite://idem.db", Clock::Database).await?;
+/// store.job_insert(NewJob::new("noop", b"{}".to_vec())).await?;
+/// # Ok(()) }
+/// ```
+pub struct SqlStore {
+    pools: Pools,
+    q: Queries,
+    kind: BackendKind,
+    clock: Clock,
+    notify: Arc<Notify>,
+    background: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for SqlStore {
+    fn drop(&mut self) {
+        if let Some(task) = &self.background {
+            task.abort();
+        }
+    }
+}
+
+impl SqlStore {
+    pub(crate) fn new(pools: Pools, dialect: &Dialect, clock: Clock) -> Self {
+        SqlStore {
+            pools,
+            q: Queries::new(dialect, clock),
+            kind: dialect.kind,
+            clock,
+            notify: Arc::new(Notify::new()),
+            background: None,
+        }
+    }
+
+    /// Keeps a background task (the `LISTEN` loop) alive as long as the store.
+    pub(crate) fn with_background(mut self, task: tokio::task::JoinHandle<()>) -> Self {
+        self.background = Some(task);
+        self
+    }
+
+    /// The waiters' wake-up, for a notification source.
+    pub(crate) fn notifier(&self) -> Arc<Notify> {
+        self.notify.clone()
+    }
+
+    /// Wakes this process's waiting workers, e.g. after committing a
+    /// transaction that enqueued with `job_insert_in`.
+    ///
+    /// ```no_run
+    /// # fn demo(store: &idem::store::SqlStore) {
+    /// store.notify_jobs();
+    /// # }
+    /// ```
+    pub fn notify_jobs(&self) {
+        wake(&self.notify);
+    }
+
+    /// The writer pool of a SQLite store, for callers that enqueue inside
+    /// their own transaction with [`sqlite::job_insert_in`].
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &idem::store::SqlStore) -> idem::store::Result<()> {
+    /// let mut tx = store.sqlite_pool().expect("a SQLite store").begin().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn sqlite_pool(&self) -> Option<&SqlitePool> {
+        match &self.pools {
+            Pools::Sqlite { write, .. } => Some(write),
+            Pools::Postgres(_) => None,
+        }
+    }
+
+    /// The pool of a PostgreSQL store, for callers that enqueue inside their
+    /// own transaction with [`postgres::job_insert_in`].
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &idem::store::SqlStore) -> idem::store::Result<()> {
+    /// let mut tx = store.postgres_pool().expect("a PostgreSQL store").begin().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn postgres_pool(&self) -> Option<&PgPool> {
+        match &self.pools {
+            Pools::Postgres(pool) => Some(pool),
+            Pools::Sqlite { .. } => None,
+        }
+    }
+
+    /// Closes every connection; later calls fail with a closed pool.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: &idem::store::SqlStore) {
+    /// store.close().await;
+    /// # }
+    /// ```
+    pub async fn close(&self) {
+        match &self.pools {
+            Pools::Sqlite { read, write } => {
+                read.close().await;
+                write.close().await;
+            }
+            Pools::Postgres(pool) => pool.close().await,
+        }
+    }
+
+    async fn existing_child(&self, child: &NewJob) -> Result<Enqueued> {
+        let id = match &child.idempotency_key {
+            Some(key) => with_db!(self, |read, _write| {
+                sqlx::query_scalar::<_, i64>(&self.q.job_by_key)
+                    .bind(&child.plugin)
+                    .bind(key)
+                    .fetch_optional(read)
+                    .await?
+            }),
+            None => None,
+        };
+        Ok(Enqueued {
+            id: JobId(id.unwrap_or(0)),
+            inserted: false,
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for SqlStore {
+    fn backend(&self) -> BackendKind {
+        self.kind
+    }
+
+    async fn job_insert(&self, job: NewJob) -> Result<Enqueued> {
+        let job = input::insertable(job)?;
+        let enqueued: Enqueued = with_db!(self, |_read, write| {
+            let mut conn = write.acquire().await?;
+            insert_one!(&mut *conn, &self.q, &job)?
+        });
+        if enqueued.inserted {
+            wake(&self.notify);
+        }
+        Ok(enqueued)
+    }
+
+    async fn job_insert_many(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let jobs = jobs
+            .into_iter()
+            .map(input::insertable)
+            .collect::<Result<Vec<_>>>()?;
+        let slots = input::batch_slots(&jobs);
+        let fresh: Vec<&Insertable> = jobs
+            .iter()
+            .zip(&slots)
+            .filter(|(_, slot)| matches!(slot, Slot::Fresh))
+            .map(|(job, _)| job)
+            .collect();
+        let fresh_results: Vec<Enqueued> = with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let mut results = Vec::with_capacity(fresh.len());
+            for chunk in fresh.chunks(input::INSERT_CHUNK) {
+                results.extend(insert_rows!(&mut *tx, &self.q, chunk)?);
+            }
+            tx.commit().await?;
+            results
+        });
+        let mut fresh_results = fresh_results.into_iter();
+        let mut results: Vec<Enqueued> = Vec::with_capacity(jobs.len());
+        for slot in &slots {
+            let enqueued = match slot {
+                Slot::Fresh => fresh_results.next(),
+                Slot::SameAs(first) => results.get(*first).map(|e| Enqueued {
+                    id: e.id,
+                    inserted: false,
+                }),
+            };
+            results.push(enqueued.ok_or_else(|| {
+                StoreError::Corrupt("batch insert returned fewer rows than it was given".into())
+            })?);
+        }
+        if results.iter().any(|e| e.inserted) {
+            wake(&self.notify);
+        }
+        Ok(results)
+    }
+
+    async fn job_get(&self, id: JobId) -> Result<Option<Job>> {
+        with_db!(self, |read, _write| {
+            let row = sqlx::query(&self.q.job_get)
+                .bind(id.0)
+                .fetch_optional(read)
+                .await?;
+            row.as_ref().map(rows::job_from_row).transpose()
+        })
+    }
+
+    async fn job_list(&self, filter: JobFilter) -> Result<Vec<Job>> {
+        // State names are our own constants: inlined, so the database can
+        // match the partial indexes.
+        let states = if filter.states.is_empty() {
+            "true".to_string()
+        } else {
+            let names: Vec<String> = filter
+                .states
+                .iter()
+                .map(|s| format!("'{}'", s.as_str()))
+                .collect();
+            format!("state IN ({})", names.join(", "))
+        };
+        let sql = self.q.job_list.replace("{states}", &states);
+        let ids = (!filter.ids.is_empty()).then(|| ids_json(&filter.ids));
+        let limit = if filter.limit == 0 {
+            i64::MAX
+        } else {
+            i64::from(filter.limit)
+        };
+        with_db!(self, |read, _write| {
+            let rows = sqlx::query(&sql)
+                .bind(&filter.plugin)
+                .bind(&filter.error_code)
+                .bind(&ids)
+                .bind(limit)
+                .fetch_all(read)
+                .await?;
+            rows.iter().map(rows::job_from_row).collect()
+        })
+    }
+
+    async fn job_claim(&self, params: ClaimParams) -> Result<Vec<Job>> {
+        input::check_worker(&params.worker)?;
+        if params.limit == 0 {
+            return Ok(Vec::new());
+        }
+        let mut jobs: Vec<Job> = with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let mut limit = i64::from(params.limit);
+            if let Some(max) = params.queue_concurrency {
+                // Claimers of this queue take turns here, so the count sees
+                // every committed claim before this one.
+                tx.lock_queue(&params.queue).await?;
+                let running: i64 = sqlx::query_scalar(&self.q.running_in_queue)
+                    .bind(&params.queue)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                limit = limit.min(i64::from(max) - running);
+            }
+            if limit <= 0 {
+                tx.rollback().await?;
+                Vec::new()
+            } else {
+                let rows = sqlx::query(&self.q.job_claim)
+                    .bind(&params.worker)
+                    .bind(input::millis(params.lease))
+                    .bind(&params.queue)
+                    .bind(limit)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                // Decoded before the commit: an unreadable row rolls the
+                // claim back instead of leaving jobs running that nobody
+                // works on.
+                let jobs = rows
+                    .iter()
+                    .map(rows::job_from_row)
+                    .collect::<Result<Vec<_>>>()?;
+                tx.commit().await?;
+                jobs
+            }
+        });
+        // RETURNING has no defined order.
+        jobs.sort_by(|a, b| {
+            b.priority
+                .cmp(&a.priority)
+                .then(a.run_at_ms.cmp(&b.run_at_ms))
+                .then(a.id.cmp(&b.id))
+        });
+        Ok(jobs)
+    }
+
+    async fn write_batch(&self, writes: Vec<Write>) -> Result<Vec<Written>> {
+        if writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let plan = BatchPlan::new(writes)?;
+        let (answers, wake_workers) = with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let mut batch = Answers::new(plan.len());
+            for (kind, sql) in [
+                (JobKind::Heartbeat, &self.q.job_heartbeat),
+                (JobKind::SavePlan, &self.q.job_save_plan),
+                (JobKind::Succeed, &self.q.job_succeed),
+                (JobKind::Retry, &self.q.job_retry),
+                (JobKind::Dead, &self.q.job_dead),
+                (JobKind::Release, &self.q.job_release),
+            ] {
+                let mut writes = plan.jobs_of(kind);
+                if kind == JobKind::Dead {
+                    let ids = redacted_ids(&writes);
+                    if !ids.is_empty() {
+                        let rows = sqlx::query(&self.q.payloads_of)
+                            .bind(ids_json(&ids))
+                            .fetch_all(&mut *tx)
+                            .await?;
+                        let mut payloads = HashMap::new();
+                        for row in &rows {
+                            let id: i64 = row.try_get("id")?;
+                            let payload: Vec<u8> = row.try_get("payload")?;
+                            payloads.insert(id, payload);
+                        }
+                        redact(&mut writes, &payloads);
+                    }
+                }
+                for round in rounds(&writes, |w| w.fence.id.0) {
+                    let applied: Vec<i64> = sqlx::query_scalar(sql)
+                        .bind_rows(job_row_set(kind, &round)?)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    batch.fences(&round, &applied);
+                }
+            }
+
+            let mut claims = plan.claims();
+            for _ in 0..CLAIM_ROUNDS {
+                if claims.is_empty() {
+                    break;
+                }
+                let (round, later) = split_unique(claims, |c| c.params.key.clone());
+                let mut unclaimed = Vec::new();
+                let inserted: Vec<(String, i64)> = sqlx::query_as(&self.q.effect_insert)
+                    .bind_rows(claim_row_set(&round))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let inserted: HashMap<String, i64> = inserted.into_iter().collect();
+                let mut rest = Vec::new();
+                for claim in round {
+                    match inserted.get(&claim.params.key) {
+                        Some(attempt) => batch.claimed(&claim, *attempt)?,
+                        None => rest.push(claim),
+                    }
+                }
+                if !rest.is_empty() {
+                    let taken: Vec<(String, i64)> = sqlx::query_as(&self.q.effect_take_over)
+                        .bind_rows(claim_row_set(&rest))
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    let taken: HashMap<String, i64> = taken.into_iter().collect();
+                    let mut unread = Vec::new();
+                    for claim in rest {
+                        match taken.get(&claim.params.key) {
+                            Some(attempt) => batch.claimed(&claim, *attempt)?,
+                            None => unread.push(claim),
+                        }
+                    }
+                    if !unread.is_empty() {
+                        let rows = sqlx::query(&self.q.effect_read)
+                            .bind_rows(
+                                RowSet::new().texts(unread.iter().map(|c| c.params.key.clone())),
+                            )
+                            .fetch_all(&mut *tx)
+                            .await?;
+                        let mut found = HashMap::new();
+                        for row in &rows {
+                            let key: String = row.try_get("key")?;
+                            found.insert(key, row);
+                        }
+                        for claim in unread {
+                            let outcome = match found.get(&claim.params.key) {
+                                Some(row) => rows::effect_outcome(*row, &claim.params.fingerprint)?,
+                                // Pruned meanwhile: insert again next round.
+                                None => None,
+                            };
+                            match outcome {
+                                Some(outcome) => {
+                                    batch.answer(claim.index, Written::EffectClaim(outcome))
+                                }
+                                None => unclaimed.push(claim),
+                            }
+                        }
+                    }
+                }
+                unclaimed.extend(later);
+                claims = unclaimed;
+            }
+            // The rows kept changing under us: another worker is busy with them.
+            for claim in claims {
+                batch.answer(
+                    claim.index,
+                    Written::EffectClaim(EffectClaim::LeasedByOther {
+                        remaining: Duration::ZERO,
+                    }),
+                );
+            }
+
+            for round in rounds(&plan.effects_of(EffectKind::Succeed), |w| {
+                w.fence.key.clone()
+            }) {
+                let applied: Vec<String> = sqlx::query_scalar(&self.q.effect_succeed)
+                    .bind_rows(effect_row_set(EffectKind::Succeed, &round))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                batch.effect_fences(&round, &applied);
+            }
+            for round in rounds(&plan.effects_of(EffectKind::Fail), |w| w.fence.key.clone()) {
+                let applied: Vec<String> = sqlx::query_scalar(&self.q.effect_fail)
+                    .bind_rows(effect_row_set(EffectKind::Fail, &round))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                batch.effect_fences(&round, &applied);
+            }
+            let mut children_inserted = false;
+            for round in rounds(&plan.effects_of(EffectKind::Child), |w| w.fence.key.clone()) {
+                let applied: Vec<String> = sqlx::query_scalar(&self.q.effect_succeed)
+                    .bind_rows(effect_row_set(EffectKind::Child, &round))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let applied: HashSet<String> = applied.into_iter().collect();
+                let (done, fenced): (Vec<_>, Vec<_>) = round
+                    .into_iter()
+                    .partition(|w| applied.contains(&w.fence.key));
+                for write in fenced {
+                    batch.answer(
+                        write.index,
+                        Written::Effect {
+                            fence: Fence::FencedOut,
+                            child: None,
+                        },
+                    );
+                }
+                let children: Vec<&Insertable> =
+                    done.iter().filter_map(|w| w.child.as_ref()).collect();
+                for chunk in children.chunks(input::INSERT_CHUNK) {
+                    let enqueued = insert_rows!(&mut *tx, &self.q, chunk)?;
+                    children_inserted |= enqueued.iter().any(|e| e.inserted);
+                    let keys = done.iter().filter(|w| w.child.is_some());
+                    sqlx::query(&self.q.effect_set_ref)
+                        .bind_rows(
+                            RowSet::new()
+                                .texts(keys.map(|w| w.fence.key.clone()))
+                                .texts(enqueued.iter().map(|e| e.id.0.to_string())),
+                        )
+                        .execute(&mut *tx)
+                        .await?;
+                    for (write, child) in done.iter().filter(|w| w.child.is_some()).zip(enqueued) {
+                        batch.answer(
+                            write.index,
+                            Written::Effect {
+                                fence: Fence::Applied,
+                                child: Some(child),
+                            },
+                        );
+                    }
+                }
+            }
+            tx.commit().await?;
+            let woken = children_inserted || batch.made_runnable;
+            (batch, woken)
+        });
+        if wake_workers {
+            wake(&self.notify);
+        }
+        let mut answers = answers.finish()?;
+        // A fenced-out child effect answers with the child that holds its key.
+        for (index, child) in plan.children() {
+            if let Some(Written::Effect {
+                fence: Fence::FencedOut,
+                child: answered,
+            }) = answers.get_mut(index)
+            {
+                *answered = Some(self.existing_child(child).await?);
+            }
+        }
+        Ok(answers)
+    }
+
+    async fn job_rescue_expired(&self, limit: u32) -> Result<Vec<JobId>> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = with_db!(self, |_read, write| {
+            sqlx::query_scalar(&self.q.job_rescue)
+                .bind(i64::from(limit))
+                .fetch_all(write)
+                .await?
+        });
+        if !ids.is_empty() {
+            wake(&self.notify);
+        }
+        let mut ids: Vec<JobId> = ids.into_iter().map(JobId).collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    async fn job_replay(&self, ids: &[JobId]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let replayed = with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let plans: Vec<Option<String>> = sqlx::query_scalar(&self.q.plans_of_dead)
+                .bind(ids_json(ids))
+                .fetch_all(&mut *tx)
+                .await?;
+            let keys = input::plan_keys(plans.iter().flatten());
+            if !keys.is_empty() {
+                sqlx::query(&self.q.effects_reset_failed)
+                    .bind(strings_json(&keys))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            let result = sqlx::query(&self.q.jobs_replay)
+                .bind(ids_json(ids))
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            result.rows_affected()
+        });
+        if replayed > 0 {
+            wake(&self.notify);
+        }
+        Ok(replayed)
+    }
+
+    async fn job_discard_plan(&self, id: JobId) -> Result<bool> {
+        with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let row = sqlx::query(&self.q.dead_plan)
+                .bind(id.0)
+                .fetch_optional(&mut *tx)
+                .await?;
+            let plan = match &row {
+                Some(row) => {
+                    let plan: Option<String> = row.try_get("plan")?;
+                    let payload: Vec<u8> = row.try_get("payload")?;
+                    // A redacted job cannot make a new plan: its plugin
+                    // would be handed the redaction reference.
+                    plan.filter(|_| !input::is_redacted(&payload))
+                }
+                None => None,
+            };
+            let Some(plan) = plan else {
+                tx.rollback().await?;
+                return Ok(false);
+            };
+            let keys = input::plan_keys(std::iter::once(&plan));
+            if !keys.is_empty() {
+                let in_doubt: i64 = sqlx::query_scalar(&self.q.effects_in_doubt)
+                    .bind(strings_json(&keys))
+                    .bind(Code::AmbiguousNotRetried.as_str())
+                    .fetch_one(&mut *tx)
+                    .await?;
+                if in_doubt > 0 {
+                    tx.rollback().await?;
+                    return Ok(false);
+                }
+                // This job's permanently failed keys go with the plan: the
+                // new plan may use the same keys for corrected requests.
+                sqlx::query(&self.q.effects_drop_failed)
+                    .bind(strings_json(&keys))
+                    .bind(id.0)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            sqlx::query(&self.q.plan_discard)
+                .bind(id.0)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(true)
+        })
+    }
+
+    async fn job_cancel(&self, id: JobId) -> Result<bool> {
+        with_db!(self, |_read, write| {
+            let result = sqlx::query(&self.q.job_cancel)
+                .bind(id.0)
+                .execute(write)
+                .await?;
+            Ok(result.rows_affected() > 0)
+        })
+    }
+
+    async fn job_delete_finished(&self, params: PruneParams) -> Result<u64> {
+        if params.limit == 0 {
+            return Ok(0);
+        }
+        let succeeded = input::millis(params.succeeded_older_than);
+        let dead = input::millis(params.dead_older_than);
+        with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            if !tx.try_lock_pruning().await? {
+                // Another node is pruning right now.
+                tx.rollback().await?;
+                return Ok(0);
+            }
+            let result = sqlx::query(&self.q.jobs_prune)
+                .bind(succeeded)
+                .bind(dead)
+                .bind(succeeded.min(dead))
+                .bind(i64::from(params.limit))
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(result.rows_affected())
+        })
+    }
+
+    async fn job_redact_payloads(&self, ids: &[JobId]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let rows = sqlx::query(&self.q.dead_payloads)
+                .bind(ids_json(ids))
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut redacted = 0;
+            for row in rows {
+                let id: i64 = row.try_get("id")?;
+                let payload: Vec<u8> = row.try_get("payload")?;
+                if input::is_redacted(&payload) {
+                    continue;
+                }
+                redacted += sqlx::query(&self.q.job_set_payload)
+                    .bind(id)
+                    .bind(input::redacted_payload(&payload))
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+            }
+            tx.commit().await?;
+            Ok(redacted)
+        })
+    }
+
+    async fn effect_delete_finished(&self, params: EffectPruneParams) -> Result<u64> {
+        if params.limit == 0 {
+            return Ok(0);
+        }
+        with_db!(self, |_read, write| {
+            let result = sqlx::query(&self.q.effects_prune)
+                .bind(input::millis(params.older_than))
+                .bind(i64::from(params.limit))
+                .execute(write)
+                .await?;
+            Ok(result.rows_affected())
+        })
+    }
+
+    async fn effect_get(&self, key: &str) -> Result<Option<EffectRecord>> {
+        with_db!(self, |read, _write| {
+            let row = sqlx::query(&self.q.effect_get)
+                .bind(key)
+                .fetch_optional(read)
+                .await?;
+            row.as_ref().map(rows::effect_from_row).transpose()
+        })
+    }
+
+    async fn effect_list(&self, job_id: JobId) -> Result<Vec<EffectRecord>> {
+        with_db!(self, |read, _write| {
+            let rows = sqlx::query(&self.q.effect_list)
+                .bind(job_id.0)
+                .fetch_all(read)
+                .await?;
+            rows.iter().map(rows::effect_from_row).collect()
+        })
+    }
+
+    async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats> {
+        let (counts, (ready, age)): (Vec<(String, i64)>, (i64, Option<i64>)) =
+            with_db!(self, |read, _write| {
+                match queue {
+                    Some(queue) => (
+                        sqlx::query_as(&self.q.stats_counts_queue)
+                            .bind(queue)
+                            .fetch_all(read)
+                            .await?,
+                        sqlx::query_as(&self.q.stats_ready_queue)
+                            .bind(queue)
+                            .fetch_one(read)
+                            .await?,
+                    ),
+                    None => (
+                        sqlx::query_as(&self.q.stats_counts).fetch_all(read).await?,
+                        sqlx::query_as(&self.q.stats_ready).fetch_one(read).await?,
+                    ),
+                }
+            });
+        let mut by_state: Vec<(JobState, i64)> = JobState::ALL.iter().map(|s| (*s, 0)).collect();
+        for (state, n) in counts {
+            let state = rows::parse_state(&state)?;
+            if let Some(slot) = by_state.iter_mut().find(|(s, _)| *s == state) {
+                slot.1 = n;
+            }
+        }
+        Ok(QueueStats {
+            by_state,
+            ready,
+            oldest_ready_age_ms: age,
+        })
+    }
+
+    async fn wait_for_jobs(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.notify.notified()).await;
+    }
+
+    async fn clock_advance(&self, by: Duration) -> Result<()> {
+        if self.clock != Clock::Adjustable {
+            return Err(StoreError::Invalid(
+                "the store's clock is the database's; open it with Clock::Adjustable to move it"
+                    .into(),
+            ));
+        }
+        with_db!(self, |_read, write| {
+            sqlx::query(&self.q.clock_advance)
+                .bind(input::millis(by))
+                .execute(write)
+                .await?;
+        });
+        wake(&self.notify);
+        Ok(())
+    }
+}
+
+/// Rounds of effect claims before a key that keeps changing is deferred.
+const CLAIM_ROUNDS: usize = 5;
+
+fn ids_json(ids: &[JobId]) -> String {
+    let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
+    serde_json::Value::from(ids).to_string()
+}
+
+fn strings_json(values: &[String]) -> String {
+    serde_json::Value::from(values.to_vec()).to_string()
+}
+
+/// The row set of jobs to insert.
+fn insert_row_set(jobs: &[&Insertable]) -> RowSet {
+    RowSet::new()
+        .texts(jobs.iter().map(|j| j.queue.clone()))
+        .texts(jobs.iter().map(|j| j.plugin.clone()))
+        .opt_bytes(jobs.iter().map(|j| Some(j.payload.clone())))
+        .opt_texts(jobs.iter().map(|j| j.idempotency_key.clone()))
+        .ints(jobs.iter().map(|j| i64::from(j.priority)))
+        .ints(jobs.iter().map(|j| j.delay_ms))
+        .ints(jobs.iter().map(|j| j.max_attempts))
+        .texts(jobs.iter().map(|j| j.correlation_id.clone()))
+}
+
+/// Ids found for a chunk of inserted jobs.
+#[derive(Default)]
+struct Inserted {
+    keyed: HashMap<(String, String), (i64, bool)>,
+    unkeyed: Vec<i64>,
+}
+
+impl Inserted {
+    fn add(&mut self, id: i64, plugin: String, key: Option<String>, inserted: bool) {
+        match key {
+            Some(key) => {
+                self.keyed.insert((plugin, key), (id, inserted));
+            }
+            None => self.unkeyed.push(id),
+        }
+    }
+
+    /// Keyed inputs not inserted (their key exists): (plugin, key).
+    fn missing(&self, jobs: &[&Insertable]) -> Vec<(String, String)> {
+        jobs.iter()
+            .filter_map(|job| {
+                let key = job.idempotency_key.as_ref()?;
+                let pair = (job.plugin.clone(), key.clone());
+                (!self.keyed.contains_key(&pair)).then_some(pair)
+            })
+            .collect()
+    }
+
+    /// Unkeyed rows cannot conflict, and ids are drawn in the insert's
+    /// order (one writer on SQLite, `ORDER BY ord` on PostgreSQL), so sorted
+    /// ids match the unkeyed inputs in order.
+    fn in_order(mut self, jobs: &[&Insertable]) -> Result<Vec<Enqueued>> {
+        self.unkeyed.sort_unstable();
+        let mut unkeyed = self.unkeyed.into_iter();
+        jobs.iter()
+            .map(|job| {
+                let found = match &job.idempotency_key {
+                    Some(key) => self.keyed.get(&(job.plugin.clone(), key.clone())).copied(),
+                    None => unkeyed.next().map(|id| (id, true)),
+                };
+                found
+                    .map(|(id, inserted)| Enqueued {
+                        id: JobId(id),
+                        inserted,
+                    })
+                    .ok_or_else(|| {
+                        StoreError::Corrupt(format!(
+                            "batch insert lost a job of plugin {:?} (key {:?})",
+                            job.plugin, job.idempotency_key
+                        ))
+                    })
+            })
+            .collect()
+    }
+}
+
+/// The kinds of job writes, one statement each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobKind {
+    Heartbeat,
+    SavePlan,
+    Succeed,
+    Retry,
+    Dead,
+    Release,
+}
+
+/// The kinds of effect writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EffectKind {
+    Succeed,
+    Fail,
+    Child,
+}
+
+/// A job write of a batch, checked, with its position.
+#[derive(Debug, Clone)]
+struct JobItem {
+    index: usize,
+    fence: JobFence,
+    change: JobChange,
+    /// The error record as stored JSON, with code and message.
+    error: Option<(String, String, String)>,
+    /// The payload's replacement when the job is dead-lettered with redaction.
+    redacted: Option<Vec<u8>>,
+}
+
+/// An effect claim of a batch.
+#[derive(Debug, Clone)]
+struct ClaimItem {
+    index: usize,
+    params: EffectClaimParams,
+}
+
+/// An effect write of a batch.
+#[derive(Debug, Clone)]
+struct EffectItem {
+    index: usize,
+    fence: EffectFence,
+    kind: EffectKind,
+    result_ref: Option<String>,
+    status: Option<EffectStatus>,
+    code: Option<String>,
+    child: Option<Insertable>,
+}
+
+/// A batch, checked and sorted by kind before the transaction opens (so an
+/// invalid write fails the call without touching the database).
+struct BatchPlan {
+    len: usize,
+    jobs: Vec<JobItem>,
+    claims: Vec<ClaimItem>,
+    effects: Vec<EffectItem>,
+    children: Vec<(usize, NewJob)>,
+}
+
+impl BatchPlan {
+    fn new(writes: Vec<Write>) -> Result<Self> {
+        let mut plan = BatchPlan {
+            len: writes.len(),
+            jobs: Vec::new(),
+            claims: Vec::new(),
+            effects: Vec::new(),
+            children: Vec::new(),
+        };
+        for (index, write) in writes.into_iter().enumerate() {
+            input::check_write(&write)?;
+            match write {
+                Write::Job { fence, change } => {
+                    let error = match &change {
+                        JobChange::Retry { error, .. } => {
+                            error.as_ref().map(input::error_json).transpose()?
+                        }
+                        JobChange::Dead { error, .. } => Some(input::error_json(error)?),
+                        _ => None,
+                    };
+                    plan.jobs.push(JobItem {
+                        index,
+                        fence,
+                        change,
+                        error,
+                        redacted: None,
+                    });
+                }
+                Write::EffectClaim(params) => {
+                    plan.claims.push(ClaimItem { index, params });
+                }
+                Write::Effect { fence, change } => {
+                    let mut item = EffectItem {
+                        index,
+                        fence,
+                        kind: EffectKind::Succeed,
+                        result_ref: None,
+                        status: None,
+                        code: None,
+                        child: None,
+                    };
+                    match change {
+                        EffectChange::Succeed { result_ref } => item.result_ref = result_ref,
+                        EffectChange::Fail { status, error_code } => {
+                            item.kind = EffectKind::Fail;
+                            item.status = Some(status);
+                            item.code = Some(error_code);
+                        }
+                        EffectChange::SucceedWithChild { child } => {
+                            item.kind = EffectKind::Child;
+                            item.child = Some(input::insertable(child.clone())?);
+                            plan.children.push((index, child));
+                        }
+                    }
+                    plan.effects.push(item);
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn jobs_of(&self, kind: JobKind) -> Vec<JobItem> {
+        self.jobs
+            .iter()
+            .filter(|item| job_kind(&item.change) == kind)
+            .cloned()
+            .collect()
+    }
+
+    fn claims(&self) -> Vec<ClaimItem> {
+        self.claims.clone()
+    }
+
+    fn effects_of(&self, kind: EffectKind) -> Vec<EffectItem> {
+        self.effects
+            .iter()
+            .filter(|item| item.kind == kind)
+            .cloned()
+            .collect()
+    }
+
+    fn children(&self) -> impl Iterator<Item = (usize, &NewJob)> {
+        self.children.iter().map(|(index, child)| (*index, child))
+    }
+}
+
+fn job_kind(change: &JobChange) -> JobKind {
+    match change {
+        JobChange::Heartbeat { .. } => JobKind::Heartbeat,
+        JobChange::SavePlan { .. } => JobKind::SavePlan,
+        JobChange::Succeed { .. } => JobKind::Succeed,
+        JobChange::Retry { .. } => JobKind::Retry,
+        JobChange::Dead { .. } => JobKind::Dead,
+        JobChange::Release => JobKind::Release,
+    }
+}
+
+/// Splits items into statements whose rows have distinct keys: one
+/// statement cannot tell two writes of the same row apart.
+fn rounds<T: Clone, K: std::hash::Hash + Eq>(items: &[T], key: impl Fn(&T) -> K) -> Vec<Vec<T>> {
+    let mut rounds = Vec::new();
+    let mut rest: Vec<T> = items.to_vec();
+    while !rest.is_empty() {
+        let (round, later) = split_unique(rest, &key);
+        rounds.push(round);
+        rest = later;
+    }
+    rounds
+}
+
+/// The first item of each key, and the rest.
+fn split_unique<T, K: std::hash::Hash + Eq>(
+    items: Vec<T>,
+    key: impl Fn(&T) -> K,
+) -> (Vec<T>, Vec<T>) {
+    let mut seen = HashSet::new();
+    items.into_iter().partition(|item| seen.insert(key(item)))
+}
+
+/// Ids of dead-letter writes that redact their payload.
+fn redacted_ids(writes: &[JobItem]) -> Vec<JobId> {
+    writes
+        .iter()
+        .filter(|w| {
+            matches!(
+                w.change,
+                JobChange::Dead {
+                    redact_payload: true,
+                    ..
+                }
+            )
+        })
+        .map(|w| w.fence.id)
+        .collect()
+}
+
+/// Sets the replacement payloads of redacting dead-letter writes. The
+/// payload was read in this transaction and no other writer changes it
+/// while the fence holds; the update re-checks the fence.
+fn redact(writes: &mut [JobItem], payloads: &HashMap<i64, Vec<u8>>) {
+    for write in writes {
+        if let JobChange::Dead {
+            redact_payload: true,
+            ..
+        } = write.change
+        {
+            write.redacted = payloads
+                .get(&write.fence.id.0)
+                .filter(|p| !input::is_redacted(p))
+                .map(|p| input::redacted_payload(p));
+        }
+    }
+}
+
+/// The row set of one statement of job writes: the fence, then the
+/// columns of the kind (as `queries` declares them).
+fn job_row_set(kind: JobKind, writes: &[JobItem]) -> Result<RowSet> {
+    let rows = RowSet::new()
+        .ints(writes.iter().map(|w| w.fence.id.0))
+        .texts(writes.iter().map(|w| w.fence.worker.clone()))
+        .ints(writes.iter().map(|w| i64::from(w.fence.attempt)));
+    let hash = |w: &JobItem| match &w.change {
+        JobChange::SavePlan { plugin_hash, .. } => Some(plugin_hash.clone()),
+        JobChange::Succeed { plugin_hash, .. }
+        | JobChange::Retry { plugin_hash, .. }
+        | JobChange::Dead { plugin_hash, .. } => plugin_hash.clone(),
+        _ => None,
+    };
+    let part = |w: &JobItem, i: usize| w.error.as_ref().map(|e| [&e.0, &e.1, &e.2][i].clone());
+    Ok(match kind {
+        JobKind::Heartbeat => rows.ints(writes.iter().map(|w| match &w.change {
+            JobChange::Heartbeat { lease } => input::millis(*lease),
+            _ => 0,
+        })),
+        JobKind::SavePlan => rows
+            .opt_texts(writes.iter().map(|w| match &w.change {
+                JobChange::SavePlan { plan, .. } => Some(plan.clone()),
+                _ => None,
+            }))
+            .opt_texts(writes.iter().map(hash)),
+        JobKind::Succeed => rows
+            .opt_texts(writes.iter().map(hash))
+            .opt_texts(writes.iter().map(|w| match &w.change {
+                JobChange::Succeed { plan, .. } => plan.clone(),
+                _ => None,
+            })),
+        JobKind::Retry => rows
+            .ints(writes.iter().map(|w| match &w.change {
+                JobChange::Retry { delay, .. } => input::millis(*delay),
+                _ => 0,
+            }))
+            .ints(writes.iter().map(|w| match &w.change {
+                JobChange::Retry {
+                    refund_attempt: true,
+                    ..
+                } => 1,
+                _ => 0,
+            }))
+            .opt_texts(writes.iter().map(hash))
+            .opt_texts(writes.iter().map(|w| part(w, 0)))
+            .opt_texts(writes.iter().map(|w| part(w, 1)))
+            .opt_texts(writes.iter().map(|w| part(w, 2))),
+        JobKind::Dead => rows
+            .opt_bytes(writes.iter().map(|w| w.redacted.clone()))
+            .opt_texts(writes.iter().map(hash))
+            .opt_texts(writes.iter().map(|w| part(w, 0)))
+            .opt_texts(writes.iter().map(|w| part(w, 1)))
+            .opt_texts(writes.iter().map(|w| part(w, 2))),
+        JobKind::Release => rows,
+    })
+}
+
+/// The row set of effect claims (as `queries::CLAIM_COLS`).
+fn claim_row_set(claims: &[ClaimItem]) -> RowSet {
+    RowSet::new()
+        .texts(claims.iter().map(|c| c.params.key.clone()))
+        .ints(claims.iter().map(|c| c.params.job_id.0))
+        .texts(claims.iter().map(|c| c.params.plugin.clone()))
+        .texts(claims.iter().map(|c| c.params.provider.clone()))
+        .texts(claims.iter().map(|c| c.params.fingerprint.clone()))
+        .texts(claims.iter().map(|c| c.params.worker.clone()))
+        .ints(claims.iter().map(|c| input::millis(c.params.lease)))
+}
+
+/// The row set of one statement of effect writes.
+fn effect_row_set(kind: EffectKind, writes: &[EffectItem]) -> RowSet {
+    let rows = RowSet::new()
+        .texts(writes.iter().map(|w| w.fence.key.clone()))
+        .texts(writes.iter().map(|w| w.fence.worker.clone()))
+        .ints(writes.iter().map(|w| i64::from(w.fence.attempt)));
+    match kind {
+        EffectKind::Succeed => rows.opt_texts(writes.iter().map(|w| w.result_ref.clone())),
+        // The child's id is set once it is inserted.
+        EffectKind::Child => rows.opt_texts(writes.iter().map(|_| None)),
+        EffectKind::Fail => rows
+            .opt_texts(
+                writes
+                    .iter()
+                    .map(|w| w.status.map(|s| s.as_str().to_string())),
+            )
+            .opt_texts(writes.iter().map(|w| w.code.clone())),
+    }
+}
+
+/// The answers of a batch as they are found.
+struct Answers {
+    answers: Vec<Option<Written>>,
+    /// A write made a job runnable at once (retry without delay, release).
+    made_runnable: bool,
+}
+
+impl Answers {
+    fn new(len: usize) -> Self {
+        Answers {
+            answers: vec![None; len],
+            made_runnable: false,
+        }
+    }
+
+    fn answer(&mut self, index: usize, written: Written) {
+        if let Some(slot) = self.answers.get_mut(index) {
+            *slot = Some(written);
+        }
+    }
+
+    fn fences(&mut self, round: &[JobItem], applied: &[i64]) {
+        let applied: HashSet<i64> = applied.iter().copied().collect();
+        for write in round {
+            let fence = if applied.contains(&write.fence.id.0) {
+                if matches!(
+                    write.change,
+                    JobChange::Release
+                        | JobChange::Retry {
+                            delay: Duration::ZERO,
+                            ..
+                        }
+                ) {
+                    self.made_runnable = true;
+                }
+                Fence::Applied
+            } else {
+                Fence::FencedOut
+            };
+            self.answer(write.index, Written::Job(fence));
+        }
+    }
+
+    fn effect_fences(&mut self, round: &[EffectItem], applied: &[String]) {
+        let applied: HashSet<&String> = applied.iter().collect();
+        for write in round {
+            let fence = if applied.contains(&write.fence.key) {
+                Fence::Applied
+            } else {
+                Fence::FencedOut
+            };
+            self.answer(write.index, Written::Effect { fence, child: None });
+        }
+    }
+
+    fn claimed(&mut self, claim: &ClaimItem, attempt: i64) -> Result<()> {
+        let attempt = u32::try_from(attempt).map_err(|_| {
+            StoreError::Corrupt(format!("effect {:?}: attempt {attempt}", claim.params.key))
+        })?;
+        self.answer(
+            claim.index,
+            Written::EffectClaim(EffectClaim::Claimed {
+                fence: EffectFence {
+                    key: claim.params.key.clone(),
+                    worker: claim.params.worker.clone(),
+                    attempt,
+                },
+            }),
+        );
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Vec<Written>> {
+        self.answers
+            .into_iter()
+            .map(|a| {
+                a.ok_or_else(|| StoreError::Corrupt("a write of a batch was not answered".into()))
+            })
+            .collect()
+    }
+}

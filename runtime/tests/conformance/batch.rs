@@ -1,0 +1,312 @@
+//! Batched writes: many jobs finishing in one transaction, each answered on
+//! its own; the group commit's buffer lost in a crash.
+
+use super::*;
+use idem::store::group_commit::{GroupCommit, GroupCommitSettings};
+use idem::store::{
+    EffectChange, EffectClaim, EffectFence, Fence, JobChange, JobState, StoreError, Write, Written,
+};
+
+pub async fn batch_answers_each_write_in_order_some_fenced_out(store: Arc<dyn Store>) {
+    let ids: Vec<_> = store
+        .job_insert_many((0..6).map(|_| job("batch")).collect())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    let claimed = store.job_claim(claim_params("w", 6, LONG)).await.unwrap();
+    assert_eq!(claimed.len(), 6);
+    // Jobs 1 and 4 are written by a stale holder (another owner).
+    let fence = |i: usize| {
+        let f = claimed[i].fence();
+        if i == 1 || i == 4 {
+            other_worker(&f, "stale")
+        } else {
+            f
+        }
+    };
+    let writes = vec![
+        Write::Job {
+            fence: fence(0),
+            change: JobChange::Succeed {
+                plugin_hash: Some("h0".into()),
+                plan: Some("[]".into()),
+            },
+        },
+        Write::Job {
+            fence: fence(1),
+            change: JobChange::Succeed {
+                plugin_hash: None,
+                plan: None,
+            },
+        },
+        Write::Job {
+            fence: fence(2),
+            change: JobChange::Retry {
+                delay: Duration::from_secs(60),
+                error: Some(error(1, "retryable", "provider_timeout")),
+                refund_attempt: false,
+                plugin_hash: None,
+            },
+        },
+        Write::EffectClaim(idem::store::EffectClaimParams {
+            key: "batch:k".into(),
+            job_id: claimed[3].id,
+            plugin: "batch".into(),
+            provider: "email".into(),
+            fingerprint: "fp".into(),
+            worker: "w".into(),
+            lease: LONG,
+        }),
+        Write::Job {
+            fence: fence(4),
+            change: JobChange::Dead {
+                error: error(1, "permanent", "x"),
+                redact_payload: true,
+                plugin_hash: None,
+            },
+        },
+        Write::Job {
+            fence: fence(5),
+            change: JobChange::Release,
+        },
+        Write::Job {
+            fence: fence(3),
+            change: JobChange::SavePlan {
+                plan: "[]".into(),
+                plugin_hash: "h3".into(),
+            },
+        },
+    ];
+    let answers = store.write_batch(writes).await.unwrap();
+    assert_eq!(answers.len(), 7);
+    assert_eq!(answers[0], Written::Job(Fence::Applied));
+    assert_eq!(answers[1], Written::Job(Fence::FencedOut));
+    assert_eq!(answers[2], Written::Job(Fence::Applied));
+    let claim_fence = match &answers[3] {
+        Written::EffectClaim(EffectClaim::Claimed { fence }) => fence.clone(),
+        other => panic!("expected a claim, got {other:?}"),
+    };
+    assert_eq!(claim_fence.attempt, 1);
+    assert_eq!(answers[4], Written::Job(Fence::FencedOut));
+    assert_eq!(answers[5], Written::Job(Fence::Applied));
+    assert_eq!(answers[6], Written::Job(Fence::Applied));
+
+    let states: Vec<JobState> = {
+        let mut states = Vec::new();
+        for id in &ids {
+            states.push(get(&store, *id).await.state);
+        }
+        states
+    };
+    assert_eq!(
+        states,
+        [
+            JobState::Succeeded,
+            JobState::Running,
+            JobState::Retrying,
+            JobState::Running,
+            JobState::Running,
+            JobState::Available,
+        ]
+    );
+    let done = get(&store, ids[0]).await;
+    assert_eq!(done.plan.as_deref(), Some("[]"));
+    assert_eq!(done.plugin_hash.as_deref(), Some("h0"));
+    assert_eq!(
+        get(&store, ids[4]).await.payload,
+        claimed[4].payload,
+        "a fenced-out dead-lettering redacts nothing"
+    );
+
+    // The same key twice in one batch: one claim wins, the other waits.
+    let key_writes = |owner: &str| {
+        Write::EffectClaim(idem::store::EffectClaimParams {
+            key: "batch:twice".into(),
+            job_id: claimed[3].id,
+            plugin: "batch".into(),
+            provider: "email".into(),
+            fingerprint: "fp".into(),
+            worker: owner.into(),
+            lease: LONG,
+        })
+    };
+    let answers = store
+        .write_batch(vec![key_writes("a"), key_writes("b")])
+        .await
+        .unwrap();
+    let claimed_by: Vec<bool> = answers
+        .iter()
+        .map(|a| matches!(a, Written::EffectClaim(EffectClaim::Claimed { .. })))
+        .collect();
+    assert_eq!(claimed_by, [true, false], "{answers:?}");
+    assert!(matches!(
+        answers[1],
+        Written::EffectClaim(EffectClaim::LeasedByOther { .. })
+    ));
+
+    // Effect writes of one batch: one applied, one stale.
+    let stale = EffectFence {
+        worker: "someone-else".into(),
+        ..claim_fence.clone()
+    };
+    let answers = store
+        .write_batch(vec![
+            Write::Effect {
+                fence: stale,
+                change: EffectChange::Succeed {
+                    result_ref: Some("late".into()),
+                },
+            },
+            Write::Effect {
+                fence: claim_fence,
+                change: EffectChange::Succeed {
+                    result_ref: Some("ref".into()),
+                },
+            },
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        answers,
+        [
+            Written::Effect {
+                fence: Fence::FencedOut,
+                child: None
+            },
+            Written::Effect {
+                fence: Fence::Applied,
+                child: None
+            },
+        ]
+    );
+    let row = store.effect_get("batch:k").await.unwrap().unwrap();
+    assert_eq!(row.result_ref.as_deref(), Some("ref"));
+
+    // One invalid write refuses the batch before anything is written.
+    let before = get(&store, ids[3]).await;
+    let invalid = store
+        .write_batch(vec![
+            Write::Job {
+                fence: claimed[3].fence(),
+                change: JobChange::Release,
+            },
+            Write::Job {
+                fence: other_worker(&claimed[3].fence(), ""),
+                change: JobChange::Release,
+            },
+        ])
+        .await
+        .unwrap_err();
+    assert!(matches!(invalid, StoreError::Invalid(_)), "{invalid:?}");
+    assert_eq!(get(&store, ids[3]).await, before);
+}
+
+pub async fn group_commit_buffer_lost_in_a_crash_writes_nothing(store: Arc<dyn Store>) {
+    store
+        .job_insert_many((0..3).map(|_| job("crash")).collect())
+        .await
+        .unwrap();
+    let claimed = store.job_claim(claim_params("w", 3, SHORT)).await.unwrap();
+    // A writer that waits long for more writes: these three sit in its buffer.
+    let grouped = GroupCommit::new(
+        store.clone(),
+        GroupCommitSettings {
+            max_batch: 100,
+            max_wait: Duration::from_secs(3600),
+        },
+    );
+    let pending: Vec<_> = claimed
+        .iter()
+        .map(|job| {
+            let (grouped, fence) = (grouped.clone(), job.fence());
+            tokio::spawn(async move {
+                grouped
+                    .write(Write::Job {
+                        fence,
+                        change: JobChange::Succeed {
+                            plugin_hash: None,
+                            plan: None,
+                        },
+                    })
+                    .await
+            })
+        })
+        .collect();
+    // The writes queue (the flusher waits for more), then the process "dies".
+    // A write that arrives after the crash is refused the same way.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    grouped.stop_now().await;
+    for task in pending {
+        let answer = task.await.unwrap();
+        assert!(
+            matches!(answer, Err(StoreError::WriterStopped)),
+            "{answer:?}"
+        );
+    }
+    for job in &claimed {
+        assert_eq!(
+            get(&store, job.id).await.state,
+            JobState::Running,
+            "nothing of the lost buffer was committed"
+        );
+    }
+    // The leases run out and the jobs come back for another worker.
+    advance(&store, PAST_SHORT).await;
+    assert_eq!(store.job_rescue_expired(10).await.unwrap().len(), 3);
+    let again = store.job_claim(claim_params("w2", 3, LONG)).await.unwrap();
+    assert_eq!(again.len(), 3);
+    assert!(again.iter().all(|j| j.attempt == 2));
+}
+
+/// Run by each backend's own test after it installed a trigger that makes
+/// marking a job of plugin `explode` succeeded fail: a flush that holds that
+/// write fails as a whole, every writer of it learns so, nothing of it is
+/// committed, and the next flush goes on.
+pub async fn a_failing_flush_fails_every_write_of_it(store: Arc<dyn Store>) {
+    store.job_insert(job("explode")).await.unwrap();
+    store.job_insert(job("fine")).await.unwrap();
+    let claimed = store.job_claim(claim_params("w", 2, LONG)).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    let grouped = GroupCommit::new(
+        store.clone(),
+        GroupCommitSettings {
+            max_batch: 2,
+            max_wait: Duration::from_secs(3600),
+        },
+    );
+    let succeed_write = |fence| Write::Job {
+        fence,
+        change: JobChange::Succeed {
+            plugin_hash: None,
+            plan: None,
+        },
+    };
+    let tasks: Vec<_> = claimed
+        .iter()
+        .map(|job| {
+            let (grouped, write) = (grouped.clone(), succeed_write(job.fence()));
+            tokio::spawn(async move { grouped.write(write).await })
+        })
+        .collect();
+    for task in tasks {
+        let answer = task.await.unwrap();
+        assert!(
+            matches!(&answer, Err(StoreError::Batch(inner)) if matches!(**inner, StoreError::Database(_))),
+            "{answer:?}"
+        );
+        assert!(!answer.unwrap_err().is_transient());
+    }
+    for job in &claimed {
+        assert_eq!(get(&store, job.id).await.state, JobState::Running);
+    }
+    let fine = claimed.iter().find(|j| j.plugin == "fine").unwrap();
+    let lone = GroupCommit::new(store.clone(), GroupCommitSettings::default());
+    assert_eq!(
+        lone.write(succeed_write(fine.fence())).await.unwrap(),
+        Written::Job(Fence::Applied)
+    );
+}

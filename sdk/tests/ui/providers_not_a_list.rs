@@ -1,0 +1,6 @@
+#[idem_sdk::plugin(providers = "email")]
+fn handle(_job: idem_sdk::Job<()>) -> Result<Vec<idem_sdk::Effect>, idem_sdk::JobError> {
+    Ok(Vec::new())
+}
+
+fn main() {}
