@@ -18,6 +18,7 @@ pub fn path_for(engine: &Engine, dir: &Path, hash: &ContentHash) -> PathBuf {
 /// Loads the precompiled component, or compiles it once and stores the
 /// artifact. A broken or unwritable cache only costs a compile; it never
 /// fails the load.
+#[allow(unsafe_code)] // `Component::deserialize` of our own artifacts; see SAFETY below.
 pub fn load_or_compile(
     engine: &Engine,
     dir: &Path,
