@@ -59,7 +59,7 @@ pub mod __private {
     pub use wit_bindgen;
 
     /// Bindings for the `idem:plugin/job-plugin` world.
-    #[allow(missing_docs, clippy::too_many_arguments)]
+    #[allow(missing_docs, clippy::too_many_arguments, unsafe_code)] // wit-bindgen's FFI glue
     pub mod bindings {
         wit_bindgen::generate!({
             path: "wit",

@@ -54,6 +54,11 @@ pub(crate) struct Dialect {
     pub skip_locked: &'static str,
     /// The larger of two integers (`max` / `GREATEST`).
     pub greatest: &'static str,
+    /// Prefix of a column in a batched write's fence that must not pick the
+    /// index (`+` on SQLite): the row is found by its key, and an index on
+    /// `state`/`status` would make SQLite scan every running job once per
+    /// row of the batch.
+    pub no_index: &'static str,
     /// A JSON text parameter as a JSON value.
     pub json_param: fn(param: &str) -> String,
     /// A JSON object built from `'key', value` pairs.

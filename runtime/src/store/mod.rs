@@ -29,6 +29,7 @@ mod dialect;
 mod error;
 pub mod group_commit;
 mod input;
+mod migrations;
 mod model;
 mod queries;
 mod rows;

@@ -14,7 +14,6 @@ use super::dialect::{BackendKind, BindRows, Column, Dialect, DialectConn, RowSet
 use super::queries::{Clock, Queries};
 use super::sql::{Pools, SqlStore};
 use super::{Enqueued, NewJob, Result, StoreError, input};
-use sqlx::migrate::Migrator;
 use sqlx::postgres::{
     PgArguments, PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions,
 };
@@ -23,8 +22,6 @@ use std::str::FromStr;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 use tokio::sync::Notify;
-
-static MIGRATOR: Migrator = sqlx::migrate!("../migrations/postgres");
 
 /// Pooled connections (one of them is held by the `LISTEN` task).
 pub const POOL_SIZE: u32 = 16;
@@ -49,6 +46,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     errors_col: "errors::text",
     skip_locked: "FOR UPDATE SKIP LOCKED",
     greatest: "GREATEST",
+    no_index: "",
     json_param: |param| format!("({param})::jsonb"),
     json_object: |pairs| format!("jsonb_build_object({pairs})"),
     append_error: |record, now, keep| {
@@ -138,7 +136,11 @@ async fn open(options: PgConnectOptions, clock: Clock) -> Result<SqlStore> {
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_with(options)
         .await?;
-    MIGRATOR.run(&pool).await?;
+    super::migrations::POSTGRES
+        .migrator()
+        .await?
+        .run(&pool)
+        .await?;
     let mut listener = PgListener::connect_with(&pool).await?;
     listener.listen(CHANNEL).await?;
     let store = SqlStore::new(Pools::Postgres(pool), &DIALECT, clock);

@@ -17,12 +17,12 @@ const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, a
     lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at";
 
 /// The fence of a batched job write against the row set `t`.
-const JOB_FENCE: &str = "jobs.id = t.id AND jobs.state = 'running' \
+const JOB_FENCE: &str = "jobs.id = t.id AND {no_index}jobs.state = 'running' \
     AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt";
 
 /// The fence of a batched effect write against the row set `t`.
 const EFFECT_FENCE: &str = "effects.key = t.key AND effects.lease_owner = t.owner \
-    AND effects.attempt = t.attempt AND effects.status = 'processing'";
+    AND effects.attempt = t.attempt AND {no_index}effects.status = 'processing'";
 
 use ColType::{Bytes, Int, Text};
 
@@ -416,5 +416,6 @@ fn expand(d: &Dialect, now: &str, text: &str) -> String {
         .replace("{errors}", d.errors_col)
         .replace("{skip_locked}", d.skip_locked)
         .replace("{greatest}", d.greatest)
+        .replace("{no_index}", d.no_index)
         .replace("{now}", now)
 }

@@ -14,7 +14,6 @@ use super::dialect::{BackendKind, BindRows, ColType, Dialect, DialectConn, RowSe
 use super::queries::{Clock, Queries};
 use super::sql::{Pools, SqlStore};
 use super::{Enqueued, NewJob, Result, input};
-use sqlx::migrate::Migrator;
 use sqlx::sqlite::{
     SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
     SqlitePoolOptions, SqliteSynchronous,
@@ -22,8 +21,6 @@ use sqlx::sqlite::{
 use std::str::FromStr;
 use std::sync::LazyLock;
 use std::time::Duration;
-
-static MIGRATOR: Migrator = sqlx::migrate!("../migrations/sqlite");
 
 /// How long a statement waits for another process's write lock.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -42,6 +39,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     errors_col: "errors",
     skip_locked: "",
     greatest: "max",
+    no_index: "+",
     json_param: |param| param.to_string(),
     json_object: |pairs| format!("json_object({pairs})"),
     append_error: |record, now, keep| {
@@ -85,7 +83,12 @@ pub async fn connect(url: &str, clock: Clock) -> Result<SqlStore> {
         .create_if_missing(true)
         .busy_timeout(BUSY_TIMEOUT)
         .foreign_keys(true)
-        .synchronous(SqliteSynchronous::Full);
+        .synchronous(SqliteSynchronous::Full)
+        // A page cache and a mapping large enough for a busy queue's hot
+        // pages; sort and temp tables in memory.
+        .pragma("cache_size", "-65536")
+        .pragma("mmap_size", "1073741824")
+        .pragma("temp_store", "memory");
     let one_forever = || {
         SqlitePoolOptions::new()
             .max_connections(1)
@@ -109,7 +112,11 @@ pub async fn connect(url: &str, clock: Clock) -> Result<SqlStore> {
             .await?;
         (read, write)
     };
-    MIGRATOR.run(&write).await?;
+    super::migrations::SQLITE
+        .migrator()
+        .await?
+        .run(&write)
+        .await?;
     Ok(SqlStore::new(
         Pools::Sqlite { read, write },
         &DIALECT,
@@ -172,5 +179,54 @@ impl DialectConn for SqliteConnection {
 
     async fn try_lock_pruning(&mut self) -> Result<bool> {
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each batched write finds its rows by key. Were SQLite to take an
+    /// index on `state` or `status` for the fence, every row of a batch
+    /// would scan all running jobs: a flush of B writes with R jobs running
+    /// would cost B x R row visits.
+    #[tokio::test]
+    async fn batched_writes_look_rows_up_by_key() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", dir.path().join("plan.db").display());
+        let store = connect(&url, Clock::Database).await.expect("store");
+        let pool = store.sqlite_pool().expect("a SQLite store").clone();
+        let q = Queries::new(&DIALECT, Clock::Database);
+        let batched = [
+            ("job_heartbeat", &q.job_heartbeat),
+            ("job_save_plan", &q.job_save_plan),
+            ("job_succeed", &q.job_succeed),
+            ("job_retry", &q.job_retry),
+            ("job_dead", &q.job_dead),
+            ("job_release", &q.job_release),
+            ("effect_succeed", &q.effect_succeed),
+            ("effect_fail", &q.effect_fail),
+        ];
+        for (name, statement) in batched {
+            let plan: Vec<(i64, i64, i64, String)> =
+                sqlx::query_as(&format!("EXPLAIN QUERY PLAN {statement}"))
+                    .bind("[]")
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let lines: Vec<&str> = plan.iter().map(|row| row.3.as_str()).collect();
+            let lookups: Vec<&&str> = lines
+                .iter()
+                .filter(|l| l.contains(" jobs") || l.contains(" effects"))
+                .collect();
+            assert!(!lookups.is_empty(), "{name}: no table lookup in {lines:?}");
+            for line in lookups {
+                assert!(
+                    line.contains("INTEGER PRIMARY KEY")
+                        || line.contains("sqlite_autoindex_effects"),
+                    "{name} does not look its rows up by key: {lines:?}"
+                );
+            }
+        }
     }
 }
