@@ -35,6 +35,9 @@ pub struct FetchSettings {
     pub worker: String,
     /// Jobs held at once: running plus buffered.
     pub slots: usize,
+    /// Jobs run at once (the handlers); `slots - concurrency` is the
+    /// prefetch.
+    pub concurrency: usize,
     /// Most jobs per claim statement.
     pub max_claim: usize,
     /// Lease of a claim.
@@ -57,23 +60,28 @@ pub async fn run(
     abort: CancellationToken,
 ) {
     let slots = Arc::new(Semaphore::new(settings.slots.max(1)));
+    let worth = claim_threshold(&settings);
     let mut claims = 0u64;
     let mut errors = 0u32;
     loop {
-        let first = tokio::select! {
+        // Wait until a claim is worth a statement: as many slots free as
+        // the prefetch (the handlers are then still busy, so none waits),
+        // and a busy queue claims many jobs per statement instead of one
+        // per finished job.
+        let mut batch = tokio::select! {
             _ = stop.cancelled() => return,
-            permit = slots.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
+            permits = slots.clone().acquire_many_owned(worth) => match permits {
+                Ok(permits) => permits,
                 Err(_) => return,
             },
         };
-        let mut permits = vec![first];
-        while permits.len() < settings.max_claim.max(1) {
-            match slots.clone().try_acquire_owned() {
-                Ok(permit) => permits.push(permit),
-                Err(_) => break,
+        let mut permits = Vec::with_capacity(settings.max_claim.max(1));
+        while batch.num_permits() > 1 {
+            if let Some(one) = batch.split(1) {
+                permits.push(one);
             }
         }
+        permits.push(batch);
         claims += 1;
         let asked = permits.len();
         let claimed = store
@@ -129,4 +137,13 @@ pub async fn run(
             }
         }
     }
+}
+
+/// Free slots that make a claim worth its statement: the prefetch (at least
+/// one, at most a claim's size). Claiming only then never starves a
+/// handler, since the jobs still held keep every handler busy.
+fn claim_threshold(settings: &FetchSettings) -> u32 {
+    let prefetch = settings.slots.saturating_sub(settings.concurrency);
+    let worth = prefetch.clamp(1, settings.max_claim.max(1));
+    u32::try_from(worth).unwrap_or(1)
 }

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 /// Settings of one worker process.
@@ -187,6 +188,9 @@ impl Worker {
         let stop_claiming = CancellationToken::new();
         let abort_jobs = CancellationToken::new();
         let idle = Arc::new(tokio::sync::Notify::new());
+        // Outcomes being committed: a handler goes on to its next job while
+        // the group commit writes the last one's outcome.
+        let recording = TaskTracker::new();
         let mut fetchers = JoinSet::new();
         let mut handlers = JoinSet::new();
         for (queue, concurrency) in &self.settings.queues {
@@ -199,6 +203,7 @@ impl Worker {
                     queue: queue.clone(),
                     worker: self.settings.id.clone(),
                     slots: concurrency + prefetch,
+                    concurrency,
                     max_claim: self.settings.max_claim,
                     lease: self.settings.lease,
                     queue_limit: self.settings.queue_limits.get(queue).copied(),
@@ -215,6 +220,7 @@ impl Worker {
                     buffer.clone(),
                     stop_claiming.clone(),
                     idle.clone(),
+                    recording.clone(),
                 ));
             }
         }
@@ -259,6 +265,15 @@ impl Worker {
             .await;
             handlers.abort_all();
         }
+        // Outcomes still being committed land before any lease is given back
+        // (a release first would fence the outcome out and run the job again).
+        recording.close();
+        if tokio::time::timeout(Duration::from_secs(30), recording.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("outcomes still not committed after 30 s: their leases will expire");
+        }
         // Whatever is still held (a claim the handlers never saw) goes back.
         let _ = failpoint::hit(Failpoint::BeforeRelease).await;
         for fence in self.keeper.drain() {
@@ -279,6 +294,7 @@ impl Worker {
         buffer: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Claimed>>>,
         stop_claiming: CancellationToken,
         idle: Arc<tokio::sync::Notify>,
+        recording: TaskTracker,
     ) {
         loop {
             let next = buffer.lock().await.recv().await;
@@ -293,10 +309,22 @@ impl Worker {
                 }
             } else {
                 WorkerStats::bump(&self.stats.claimed);
-                self.clone()
+                let record = self
+                    .clone()
                     .process(claimed.job, claimed.stop.clone())
                     .await;
-                self.keeper.release(id);
+                // The job stays held (its lease extended) until its outcome
+                // committed; its slot is free for the next claim already.
+                let (worker, idle) = (self.clone(), idle.clone());
+                recording.spawn(async move {
+                    record.await;
+                    worker.keeper.release(id);
+                    if worker.keeper.is_empty() {
+                        idle.notify_one();
+                    }
+                });
+                drop(claimed.slot);
+                continue;
             }
             drop(claimed.slot);
             if self.keeper.is_empty() {
@@ -321,15 +349,33 @@ impl Worker {
         Ok(true)
     }
 
-    /// Runs one claimed job to a recorded outcome; every log line inside
-    /// carries the job id, its key and its correlation id.
-    async fn process(self: Arc<Self>, job: Job, stop: CancellationToken) {
+    /// Runs one claimed job's attempt and returns the recording of its
+    /// outcome, to be awaited while the handler goes on; every log line of
+    /// both carries the job id, its key and its correlation id.
+    async fn process(
+        self: Arc<Self>,
+        job: Job,
+        stop: CancellationToken,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let span = tracing::info_span!("job", job_id = %job.id, plugin = %job.plugin, correlation_id = %job.correlation_id,
             key = job.idempotency_key.as_deref().unwrap_or(""), attempt = job.attempt);
-        self.process_in_span(job, stop).instrument(span).await
+        let record = self
+            .process_in_span(job, stop)
+            .instrument(span.clone())
+            .await;
+        async move {
+            if let Some(record) = record {
+                record.await
+            }
+        }
+        .instrument(span)
     }
 
-    async fn process_in_span(self: Arc<Self>, job: Job, stop: CancellationToken) {
+    async fn process_in_span(
+        self: Arc<Self>,
+        job: Job,
+        stop: CancellationToken,
+    ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
         if let Some(hook) = self.on_start.get() {
             hook(&job);
         }
@@ -350,7 +396,7 @@ impl Worker {
             Ok(attempt) => attempt,
             Err(error) => {
                 tracing::error!(%error, "store failed during the job; its lease will expire and it will be redelivered");
-                return;
+                return None;
             }
         };
         let label = match &attempt {
@@ -364,12 +410,15 @@ impl Worker {
             backoff,
             redact_dead_payloads: self.settings.redact_dead_payloads,
         };
-        if let Err(error) =
-            outcome::record(&*self.store, &self.stats, &job, attempt, policy, version).await
-        {
-            tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
-        }
-        metrics::job_finished(&job.plugin, label, started.elapsed());
+        let (store, stats) = (self.store.clone(), self.stats.clone());
+        Some(async move {
+            if let Err(error) =
+                outcome::record(&*store, &stats, &job, attempt, policy, version).await
+            {
+                tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+            }
+            metrics::job_finished(&job.plugin, label, started.elapsed());
+        })
     }
 
     /// The plugin's lease, never shorter than twice its deadline, so a

@@ -121,6 +121,13 @@ impl Queries {
                 appended = (d.append_error)(record, "{now}", ERROR_HISTORY),
             )
         };
+        // The error a retry or a dead-lettering carries, when it carries one.
+        let job_error = record_error(
+            "t.record IS NOT NULL",
+            &(d.json_param)("t.record"),
+            "t.code",
+            "t.message",
+        );
         let job_rows = |extra: &[(&'static str, ColType)]| {
             let cols: Vec<(&str, ColType)> = FENCE_COLS.iter().chain(extra).copied().collect();
             (d.rows)(&cols)
@@ -210,12 +217,7 @@ impl Queries {
                      lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
                      {record}, updated_at = {{now}} \
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
-                record = record_error(
-                    "t.record IS NOT NULL",
-                    &(d.json_param)("t.record"),
-                    "t.code",
-                    "t.message"
-                ),
+                record = job_error,
                 rows = job_rows(&[
                     ("delay_ms", Int),
                     ("refund", Int),
@@ -231,12 +233,7 @@ impl Queries {
                      plugin_hash = COALESCE(t.hash, jobs.plugin_hash), {record}, \
                      updated_at = {{now}} \
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
-                record = record_error(
-                    "t.record IS NOT NULL",
-                    &(d.json_param)("t.record"),
-                    "t.code",
-                    "t.message"
-                ),
+                record = job_error,
                 rows = job_rows(&[
                     ("payload", Bytes),
                     ("hash", Text),

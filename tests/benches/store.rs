@@ -1,0 +1,82 @@
+//! The store's hot path, per job, on each backend: one claim statement for a
+//! batch of jobs, then their successes as one group-committed batch of
+//! fenced writes — what a busy worker does for jobs without effects. The
+//! jobs are inserted outside the timed part.
+//!
+//! Run: `cargo bench -p idem-tests --bench store` (PostgreSQL from
+//! `DATABASE_URL`, default the local `test` database). Compare the
+//! batch sizes: the per-job cost should fall as the batch grows.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use idem::store::group_commit::{GroupCommit, GroupCommitSettings};
+use idem::store::{ClaimParams, JobChange, NewJob, Store, Write};
+use idem_tests::Backend;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn claim_and_finish(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut group = c.benchmark_group("store/claim_and_finish");
+    group.sample_size(20);
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let (inner, _guard) = runtime.block_on(idem_tests::store(backend));
+        let store: Arc<dyn Store> = runtime
+            .block_on(async { GroupCommit::new(inner.clone(), GroupCommitSettings::default()) });
+        for batch in [1u32, 10, 100] {
+            group.throughput(Throughput::Elements(u64::from(batch)));
+            let id = BenchmarkId::new(format!("{backend:?}"), batch);
+            group.bench_with_input(id, &batch, |b, &batch| {
+                b.iter_custom(|rounds| runtime.block_on(round_trips(&store, batch, rounds)))
+            });
+        }
+    }
+    group.finish();
+}
+
+/// `rounds` times: insert `batch` jobs (untimed), claim them in one
+/// statement and finish them in one batch (timed).
+async fn round_trips(store: &Arc<dyn Store>, batch: u32, rounds: u64) -> Duration {
+    let mut timed = Duration::ZERO;
+    for _ in 0..rounds {
+        let jobs = (0..batch)
+            .map(|_| NewJob::new("noop", b"{}".to_vec()))
+            .collect();
+        store.job_insert_many(jobs).await.expect("enqueue");
+        let started = Instant::now();
+        let claimed = store
+            .job_claim(ClaimParams {
+                queue: "default".into(),
+                worker: "bench".into(),
+                limit: batch,
+                lease: Duration::from_secs(30),
+                queue_concurrency: None,
+            })
+            .await
+            .expect("claim");
+        assert_eq!(
+            claimed.len(),
+            batch as usize,
+            "every inserted job is claimed"
+        );
+        let writes = claimed
+            .iter()
+            .map(|job| Write::Job {
+                fence: job.fence(),
+                change: JobChange::Succeed {
+                    plugin_hash: None,
+                    plan: Some("[]".into()),
+                },
+            })
+            .collect();
+        store.write_batch(writes).await.expect("finish");
+        timed += started.elapsed();
+    }
+    timed
+}
+
+criterion_group!(benches, claim_and_finish);
+criterion_main!(benches);
