@@ -423,7 +423,10 @@ fn enqueue_run_and_dlq_on_sqlite_with_no_configuration() {
         dir.path().join("idem.db").exists(),
         "the default store is ./idem.db"
     );
-    assert_eq!(provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
 }
 
 #[test]
@@ -449,7 +452,10 @@ fn enqueue_run_and_dlq_on_postgres_with_database_url() {
         !dir.path().join("idem.db").exists(),
         "no SQLite file when PostgreSQL is used"
     );
-    assert_eq!(provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
     runtime.block_on(async {
         use sqlx::Connection;
         let mut conn = sqlx::PgConnection::connect(&base).await.unwrap();
@@ -567,7 +573,7 @@ fn a_worker_killed_mid_run_loses_nothing_and_duplicates_nothing() {
     );
     for i in 0..30 {
         assert_eq!(
-            provider.applied(&format!("invoice:{i}:email:v1")),
+            provider.applied(&format!("send_invoice_email/invoice:{i}:email:v1")),
             1,
             "invoice {i}"
         );

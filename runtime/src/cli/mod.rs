@@ -9,6 +9,7 @@
 //! - [`plugins`]: `idem plugins list|check` and `idem invoke`.
 //! - [`queue`]: `idem migrate|enqueue|run|stats`.
 //! - [`dlq`]: `idem dlq list|show|replay`.
+//! - [`effects`]: `idem effects show|resolve`.
 //! - [`bench`]: `idem bench`, throughput and latency on a clean store.
 //! - `server`: `idem provider-server` (only with the default `provider-server`
 //!   feature).
@@ -16,6 +17,7 @@
 
 pub mod bench;
 pub mod dlq;
+pub mod effects;
 pub mod plugins;
 pub mod queue;
 #[cfg(feature = "provider-server")]
@@ -106,6 +108,9 @@ pub enum Command {
     /// The dead-letter queue.
     #[command(subcommand)]
     Dlq(dlq::DlqCommand),
+    /// Effect ledger: show a key, resolve an effect in doubt.
+    #[command(subcommand)]
+    Effects(effects::EffectsCommand),
     /// Run the local idempotent provider server (for demos and tests).
     #[cfg(feature = "provider-server")]
     ProviderServer(server::ProviderServerArgs),
@@ -197,5 +202,6 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Stats { queue } => queue::stats(&config, queue.as_deref()).await,
         Command::Dlq(command) => dlq::run(&config, command).await,
+        Command::Effects(command) => effects::run(&config, command).await,
     }
 }
