@@ -11,11 +11,15 @@
 //! - [`dlq`]: `idem dlq list|show|replay`.
 //! - [`effects`]: `idem effects show|resolve`.
 //! - [`bench`]: `idem bench`, throughput and latency on a clean store.
+//! - `chaos`: `idem chaos`, kills and faults against a real setup, then
+//!   checks 0 lost and 0 duplicates (with the `provider-server` feature).
 //! - `server`: `idem provider-server` (only with the default `provider-server`
 //!   feature).
 //! - [`signal`]: Ctrl-C / SIGTERM for the long-running commands.
 
 pub mod bench;
+#[cfg(feature = "provider-server")]
+pub mod chaos;
 pub mod dlq;
 pub mod effects;
 pub mod plugins;
@@ -111,6 +115,10 @@ pub enum Command {
     /// Effect ledger: show a key, resolve an effect in doubt.
     #[command(subcommand)]
     Effects(effects::EffectsCommand),
+    /// Prove exactly-once effects here: kill and stop workers, inject
+    /// provider faults, then check 0 lost and 0 duplicates.
+    #[cfg(feature = "provider-server")]
+    Chaos(chaos::ChaosArgs),
     /// Run the local idempotent provider server (for demos and tests).
     #[cfg(feature = "provider-server")]
     ProviderServer(server::ProviderServerArgs),
@@ -194,6 +202,8 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         } => plugins::invoke(&config, &plugins_dir, &plugin, &payload, key).await,
         #[cfg(feature = "provider-server")]
         Command::ProviderServer(args) => server::run(args).await,
+        #[cfg(feature = "provider-server")]
+        Command::Chaos(args) => chaos::run(&config, &plugins_dir, args).await,
         Command::Migrate => queue::migrate(&config).await,
         Command::Enqueue(args) => queue::enqueue(&config, &plugins_dir, args).await,
         Command::Run(args) => queue::run(&config, &plugins_dir, args).await,
