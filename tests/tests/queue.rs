@@ -353,7 +353,47 @@ async fn a_full_instance_pool_defers_jobs_instead_of_failing_them(backend: Backe
     assert_eq!(looped.last_error_code.as_deref(), Some("plugin_timeout"));
 }
 
+/// Window 7: the first heartbeat comes at a third of the claim-time lease,
+/// whatever the plugin's own (longer) lease. Here the claim-time lease is
+/// 1.5 s and the provider takes 2.5 s: had the keeper waited for a third of
+/// the plugin's lease, the job would have been rescued mid-call.
+async fn the_first_heartbeat_comes_before_the_claim_time_lease_lapses(backend: Backend) {
+    let mut h = Harness::with_provider(
+        backend,
+        ProviderServerConfig {
+            processing_delay: Duration::from_millis(2500),
+            ..ProviderServerConfig::default()
+        },
+    )
+    .await;
+    h.provider_timeout = Duration::from_secs(10);
+    let id = h.store.job_insert(invoice(61)).await.unwrap().id;
+    let mut settings = h.settings("short-claims");
+    settings.lease = Duration::from_millis(1500);
+    let worker = Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        worker.run(CancellationToken::new()),
+    )
+    .await
+    .expect("drains")
+    .unwrap();
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!((job.attempt, job.rescues), (1, 0), "never rescued: {job:?}");
+    assert!(
+        job.heartbeat_at_ms > Some(job.created_at_ms),
+        "extended while running"
+    );
+    assert_eq!(
+        h.provider
+            .requests("send_invoice_email/invoice:61:email:v1"),
+        1
+    );
+}
+
 both_backends!(
+    the_first_heartbeat_comes_before_the_claim_time_lease_lapses,
     a_full_instance_pool_defers_jobs_instead_of_failing_them,
     two_workers_share_a_queue_and_every_effect_happens_once,
     exit_when_drained_looks_only_at_the_served_queues,
