@@ -39,6 +39,11 @@ pub struct ChaosArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// A shell command that restarts the database server, run once in the
+    /// middle of the run (e.g. `pg_ctlcluster 15 main restart`); only where
+    /// restarting it is allowed.
+    #[arg(long)]
+    pub restart_db: Option<String>,
 }
 
 /// The workers' lease: short, so a killed worker's jobs come back quickly.
@@ -63,6 +68,8 @@ pub struct ChaosReport {
     pub stops: u32,
     /// Database connection terminations.
     pub connection_kills: u32,
+    /// Database server restarts.
+    pub db_restarts: u32,
     /// Lease expiries rescued (redeliveries).
     pub redeliveries: u64,
     /// Idempotency hits reported by the workers that stopped cleanly.
@@ -177,6 +184,12 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: ChaosArgs) -> Result
         }
         if step % 7 == 3 && terminate_connections(&config.database_url).await {
             report.connection_kills += 1;
+        }
+        if let Some(command) = args.restart_db.as_deref()
+            && step == batches.len() / 2
+        {
+            restart_db(command)?;
+            report.db_restarts += 1;
         }
         step += 1;
     }
@@ -331,6 +344,21 @@ async fn drained(store: &dyn Store) -> Result<bool, CliError> {
         && stats.count(JobState::Retrying) == 0)
 }
 
+/// Runs the operator's restart command for the database server.
+fn restart_db(command: &str) -> Result<(), CliError> {
+    let status = Command::new("sh")
+        .args(["-c", command])
+        .status()
+        .map_err(|e| CliError::Runtime(anyhow::anyhow!("--restart-db {command:?}: {e}")))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(CliError::Failed(format!(
+            "--restart-db {command:?} failed ({status})"
+        )))
+    }
+}
+
 /// Terminates the workers' PostgreSQL sessions (`false` on SQLite, or when
 /// none was found).
 async fn terminate_connections(database_url: &str) -> bool {
@@ -434,6 +462,7 @@ fn print(report: &ChaosReport, json: bool) {
             "connections terminated",
             report.connection_kills.to_string(),
         ),
+        ("database restarts", report.db_restarts.to_string()),
         ("redeliveries (rescues)", report.redeliveries.to_string()),
         ("idempotency hits", report.idempotency_hits.to_string()),
         ("effects applied", report.effects_applied.to_string()),
