@@ -355,13 +355,13 @@ async fn a_full_instance_pool_defers_jobs_instead_of_failing_them(backend: Backe
 
 /// Window 7: the first heartbeat comes at a third of the claim-time lease,
 /// whatever the plugin's own (longer) lease. Here the claim-time lease is
-/// 1.5 s and the provider takes 2.5 s: had the keeper waited for a third of
+/// 3 s and the provider takes 6 s: had the keeper waited for a third of
 /// the plugin's lease, the job would have been rescued mid-call.
 async fn the_first_heartbeat_comes_before_the_claim_time_lease_lapses(backend: Backend) {
     let mut h = Harness::with_provider(
         backend,
         ProviderServerConfig {
-            processing_delay: Duration::from_millis(2500),
+            processing_delay: Duration::from_millis(6000),
             ..ProviderServerConfig::default()
         },
     )
@@ -369,7 +369,7 @@ async fn the_first_heartbeat_comes_before_the_claim_time_lease_lapses(backend: B
     h.provider_timeout = Duration::from_secs(10);
     let id = h.store.job_insert(invoice(61)).await.unwrap().id;
     let mut settings = h.settings("short-claims");
-    settings.lease = Duration::from_millis(1500);
+    settings.lease = Duration::from_secs(3);
     let worker = Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
     tokio::time::timeout(
         Duration::from_secs(60),
