@@ -11,6 +11,7 @@
 //! lease = "30s"
 //! shutdown_grace = "10s"
 //! max_attempts = 10
+//! max_deferral = "1h"                 # a job deferred longer is dead-lettered
 //! backoff_base = "5s"
 //! backoff_max = "15m"
 //!
@@ -111,6 +112,10 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
     /// Default attempts before dead-lettering.
     pub max_attempts: u32,
+    /// Longest run of deferrals (circuit open, a key leased by another
+    /// worker) before a job is dead-lettered as `deferred_too_long`.
+    #[serde(with = "humantime_serde")]
+    pub max_deferral: Duration,
     /// Backoff base delay.
     #[serde(with = "humantime_serde")]
     pub backoff_base: Duration,
@@ -141,6 +146,7 @@ impl Default for WorkerConfig {
             lease: Duration::from_secs(30),
             shutdown_grace: Duration::from_secs(10),
             max_attempts: 10,
+            max_deferral: Duration::from_secs(3600),
             backoff_base: Duration::from_secs(5),
             backoff_max: Duration::from_secs(15 * 60),
             redact_dead_payloads: false,
@@ -275,6 +281,7 @@ impl Config {
             ("IDEM_BACKOFF_BASE", &mut self.worker.backoff_base),
             ("IDEM_BACKOFF_MAX", &mut self.worker.backoff_max),
             ("IDEM_SHUTDOWN_GRACE", &mut self.worker.shutdown_grace),
+            ("IDEM_MAX_DEFERRAL", &mut self.worker.max_deferral),
             ("IDEM_RETENTION_SUCCEEDED", &mut self.retention.succeeded),
             ("IDEM_RETENTION_DEAD", &mut self.retention.dead),
             ("IDEM_RETENTION_EFFECTS", &mut self.retention.effects),

@@ -80,6 +80,12 @@ pub enum Code {
     EffectFailed,
     /// An ambiguous failure at a provider that cannot dedupe: not retried.
     AmbiguousNotRetried,
+    /// An earlier try may have reached a provider that cannot dedupe: not sent again.
+    MayNotResend,
+    /// An earlier try may have reached the provider longer ago than its dedupe window.
+    DedupeWindowPassed,
+    /// The job was deferred for longer than `max_deferral`.
+    DeferredTooLong,
     /// A lease expired with no attempt left.
     LeaseExpired,
     /// The provider did not answer in time after the request was sent.
@@ -106,7 +112,7 @@ pub enum Code {
 
 impl Code {
     /// Every code.
-    pub const ALL: [Code; 30] = [
+    pub const ALL: [Code; 33] = [
         Code::PluginTimeout,
         Code::PluginOutOfMemory,
         Code::PluginStackOverflow,
@@ -126,6 +132,9 @@ impl Code {
         Code::IdempotencyKeyConflict,
         Code::EffectFailed,
         Code::AmbiguousNotRetried,
+        Code::MayNotResend,
+        Code::DedupeWindowPassed,
+        Code::DeferredTooLong,
         Code::LeaseExpired,
         Code::ProviderTimeout,
         Code::ProviderConnectionLost,
@@ -165,6 +174,9 @@ impl Code {
             Code::IdempotencyKeyConflict => "idempotency_key_conflict",
             Code::EffectFailed => "effect_failed",
             Code::AmbiguousNotRetried => "ambiguous_not_retried",
+            Code::MayNotResend => "may_not_resend",
+            Code::DedupeWindowPassed => "dedupe_window_passed",
+            Code::DeferredTooLong => "deferred_too_long",
             Code::LeaseExpired => "lease_expired",
             Code::ProviderTimeout => "provider_timeout",
             Code::ProviderConnectionLost => "provider_connection_lost",
@@ -210,6 +222,9 @@ impl Code {
             | Code::IdempotencyKeyConflict
             | Code::EffectFailed
             | Code::AmbiguousNotRetried
+            | Code::MayNotResend
+            | Code::DedupeWindowPassed
+            | Code::DeferredTooLong
             | Code::ProviderRejected
             | Code::ProviderRedirected => ErrorClass::Permanent,
         }
@@ -245,6 +260,13 @@ impl Code {
             Code::AmbiguousNotRetried => {
                 "An ambiguous failure at a provider that cannot dedupe: not retried."
             }
+            Code::MayNotResend => {
+                "An earlier try may have reached a provider that cannot dedupe: not sent again."
+            }
+            Code::DedupeWindowPassed => {
+                "An earlier try may have reached the provider longer ago than its dedupe window."
+            }
+            Code::DeferredTooLong => "The job was deferred for longer than `max_deferral`.",
             Code::LeaseExpired => "A lease expired with no attempt left.",
             Code::ProviderTimeout => {
                 "The provider did not answer in time after the request was sent."

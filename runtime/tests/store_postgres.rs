@@ -309,3 +309,26 @@ async fn a_failing_flush_fails_every_write_of_it() {
     })
     .await;
 }
+
+/// Window 7: every pooled session carries a statement timeout, an idle
+/// transaction timeout and server-side TCP keepalives, so a hung statement
+/// or a vanished client cannot hold a job's rows for minutes.
+#[tokio::test]
+async fn sessions_time_out_hung_statements_and_probe_dead_clients() {
+    with_store(|store| async move {
+        let pool = store.postgres_pool().unwrap();
+        for (name, _) in idem::store::postgres::SESSION_SETTINGS {
+            let shown: String = sqlx::query_scalar(&format!("SHOW {name}"))
+                .fetch_one(pool)
+                .await
+                .unwrap();
+            assert_ne!(shown, "0", "{name} is set");
+        }
+        let timeout: String = sqlx::query_scalar("SHOW statement_timeout")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        assert_eq!(timeout, "30s");
+    })
+    .await;
+}

@@ -60,6 +60,14 @@ pub fn database_url() -> String {
 
 /// A fresh, empty store; the guard keeps its file (SQLite) alive.
 pub async fn store(backend: Backend) -> (Arc<dyn Store>, Box<dyn std::any::Any + Send>) {
+    let (store, guard, _) = store_with_url(backend).await;
+    (store, guard)
+}
+
+/// A fresh, empty store, with the URL another process opens it by.
+pub async fn store_with_url(
+    backend: Backend,
+) -> (Arc<dyn Store>, Box<dyn std::any::Any + Send>, String) {
     match backend {
         Backend::Sqlite => {
             let dir = tempfile::tempdir().expect("tempdir");
@@ -67,7 +75,7 @@ pub async fn store(backend: Backend) -> (Arc<dyn Store>, Box<dyn std::any::Any +
             let store = idem::store::open(&url, Clock::Adjustable)
                 .await
                 .expect("sqlite store");
-            (Arc::new(store), Box::new(dir))
+            (Arc::new(store), Box::new(dir), url)
         }
         Backend::Postgres => {
             let schema = format!("idem_e2e_{}", hex::encode(rand::random::<[u8; 8]>()));
@@ -78,7 +86,8 @@ pub async fn store(backend: Backend) -> (Arc<dyn Store>, Box<dyn std::any::Any +
             )
             .await
             .expect("postgres store (is PostgreSQL running on 127.0.0.1:5432?)");
-            (Arc::new(store), Box::new(schema))
+            let url = format!("{}?options=-c%20search_path%3D{schema}", database_url());
+            (Arc::new(store), Box::new(schema), url)
         }
     }
 }
@@ -115,6 +124,8 @@ pub struct Harness {
     pub plugins_dir: tempfile::TempDir,
     /// Provider request timeout.
     pub provider_timeout: Duration,
+    /// The store's URL, for another process.
+    pub url: String,
     _guard: Box<dyn std::any::Any + Send>,
 }
 
@@ -126,7 +137,7 @@ impl Harness {
 
     /// A fresh harness with a configured provider server.
     pub async fn with_provider(backend: Backend, config: ProviderServerConfig) -> Self {
-        let (store, guard) = store(backend).await;
+        let (store, guard, url) = store_with_url(backend).await;
         let provider = ProviderServerHandle::start(config)
             .await
             .expect("provider server");
@@ -144,6 +155,7 @@ impl Harness {
             registry,
             plugins_dir,
             provider_timeout: Duration::from_millis(500),
+            url,
             _guard: guard,
         }
     }
@@ -219,6 +231,33 @@ impl Harness {
         )
         .expect("manifest");
         self.registry.refresh();
+    }
+
+    /// An `idem.toml` for an `idem run` process on this harness: its store,
+    /// its plugins, providers `email` and `partner` on its provider server,
+    /// with `lease` as the worker's lease.
+    pub fn config_file(&self, lease: Duration) -> tempfile::NamedTempFile {
+        let mut text = format!(
+            "database_url = \"{}\"\nplugins_dir = \"{}\"\n\n[worker]\nqueues = {{ default = 2 }}\n\
+             poll_interval = \"50ms\"\nlease = \"{}ms\"\nshutdown_grace = \"200ms\"\n\
+             backoff_base = \"20ms\"\nbackoff_max = \"200ms\"\n",
+            self.url,
+            self.plugins_dir.path().display(),
+            lease.as_millis()
+        );
+        for (name, kind) in [("email", "email"), ("partner", "http")] {
+            text.push_str(&format!(
+                "\n[providers.{name}]\nkind = \"{kind}\"\nbase_url = \"{}\"\ntimeout = \"{}ms\"\nbreaker_failures = 1000\n",
+                self.provider.base_url,
+                self.provider_timeout.as_millis()
+            ));
+        }
+        let file = tempfile::Builder::new()
+            .suffix(".toml")
+            .tempfile()
+            .expect("config file");
+        std::fs::write(file.path(), text).expect("write the config");
+        file
     }
 }
 

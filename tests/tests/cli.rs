@@ -423,7 +423,10 @@ fn enqueue_run_and_dlq_on_sqlite_with_no_configuration() {
         dir.path().join("idem.db").exists(),
         "the default store is ./idem.db"
     );
-    assert_eq!(provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
 }
 
 #[test]
@@ -449,7 +452,10 @@ fn enqueue_run_and_dlq_on_postgres_with_database_url() {
         !dir.path().join("idem.db").exists(),
         "no SQLite file when PostgreSQL is used"
     );
-    assert_eq!(provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
     runtime.block_on(async {
         use sqlx::Connection;
         let mut conn = sqlx::PgConnection::connect(&base).await.unwrap();
@@ -567,7 +573,7 @@ fn a_worker_killed_mid_run_loses_nothing_and_duplicates_nothing() {
     );
     for i in 0..30 {
         assert_eq!(
-            provider.applied(&format!("invoice:{i}:email:v1")),
+            provider.applied(&format!("send_invoice_email/invoice:{i}:email:v1")),
             1,
             "invoice {i}"
         );
@@ -635,4 +641,131 @@ fn enqueue_batch_reads_ndjson_prints_ids_in_order_and_refuses_a_bad_line_whole()
     let stats: serde_json::Value =
         serde_json::from_str(&ok(&idem_in(dir.path(), &["stats"], &[]))).unwrap();
     assert_eq!(stats["available"], 2, "the refused batch inserted nothing");
+}
+
+/// Window 3 from the command line: `dlq replay` refuses (exit 1, naming the
+/// key and the command that settles it) a job holding an effect in doubt;
+/// `effects show` shows it, `effects resolve` settles it once, and the replay
+/// then goes through.
+#[test]
+fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
+    use idem::failure::ErrorClass;
+    use idem::store::{
+        ClaimParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectStatus, ErrorRecord,
+        JobChange, NewJob, SavePlanParams, Sent, Write,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let id = runtime.block_on(async {
+        let store = idem::store::connect(&db).await.unwrap();
+        let id = store
+            .job_insert(NewJob::new("send_invoice_email", b"{}".to_vec()))
+            .await
+            .unwrap()
+            .id;
+        let job = store
+            .job_claim(ClaimParams {
+                queue: "default".into(),
+                worker: "w".into(),
+                limit: 1,
+                lease: Duration::from_secs(60),
+                queue_concurrency: None,
+            })
+            .await
+            .unwrap()
+            .remove(0);
+        let plan =
+            r#"[{"provider":"email","idempotency_key":"k1","action":{"type":"custom","body":""}}]"#;
+        store
+            .job_save_plan(SavePlanParams {
+                fence: job.fence(),
+                plan: plan.into(),
+                plugin_hash: "h".into(),
+            })
+            .await
+            .unwrap();
+        let claim = store
+            .effect_claim(EffectClaimParams {
+                key: "k1".into(),
+                job_id: id,
+                plugin: "send_invoice_email".into(),
+                provider: "email".into(),
+                fingerprint: "f".into(),
+                worker: "w".into(),
+                job_attempt: job.attempt,
+                lease: Duration::from_secs(60),
+            })
+            .await
+            .unwrap();
+        let EffectClaim::Claimed { fence } = claim else {
+            panic!("{claim:?}")
+        };
+        store
+            .effect_set_failed(EffectFailParams {
+                fence,
+                status: EffectStatus::Failed,
+                error_code: "may_not_resend".into(),
+                sent: Sent::Unresolved,
+            })
+            .await
+            .unwrap();
+        store
+            .write(Write::Job {
+                fence: job.fence(),
+                change: JobChange::Dead {
+                    error: ErrorRecord {
+                        attempt: 1,
+                        class: ErrorClass::Permanent,
+                        code: "may_not_resend".into(),
+                        message: "in doubt".into(),
+                        at_ms: 0,
+                    },
+                    redact_payload: false,
+                    plugin_hash: None,
+                },
+            })
+            .await
+            .unwrap();
+        id
+    });
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_idem-test"))
+            .args(["--database-url", &db])
+            .args(args)
+            .env_remove("IDEM_CONFIG")
+            .current_dir(dir.path())
+            .output()
+            .expect("run idem")
+    };
+    let id = id.to_string();
+    let refused = run(&["dlq", "replay", &id, "--rate", "100/s"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("idem effects resolve k1 --applied"),
+        "{stderr}"
+    );
+    let shown = run(&["effects", "show", "k1"]);
+    assert_eq!(shown.status.code(), Some(0));
+    let row = json(&shown);
+    assert_eq!(row["in_doubt"], true, "{row}");
+    assert_eq!(row["reached"], true, "{row}");
+    let resolved = run(&["effects", "resolve", "k1", "--not-applied"]);
+    assert_eq!(
+        resolved.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&resolved.stderr)
+    );
+    let twice = run(&["effects", "resolve", "k1", "--applied"]);
+    assert_eq!(twice.status.code(), Some(1), "resolved once");
+    let replayed = run(&["dlq", "replay", &id, "--rate", "100/s"]);
+    assert_eq!(
+        replayed.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&replayed.stderr)
+    );
+    assert!(String::from_utf8_lossy(&replayed.stdout).contains("\"replayed\":1"));
 }

@@ -1,12 +1,16 @@
 //! Effects carried out exactly once, on both backends, asserting on what the
 //! local provider server really applied.
 
-use idem::effects::{Action, Effect};
+use idem::effects::{Action, Effect, fingerprint, legacy_fingerprint};
 use idem::failure::ErrorClass;
 use idem::queue::executor::{Executor, PlanOutcome};
 use idem::queue::outcome::DeferReason;
 use idem::queue::stats::WorkerStats;
-use idem::store::{ClaimParams, JobFilter, JobState, NewJob};
+use idem::queue::{Worker, WorkerSettings};
+use idem::store::{
+    ClaimParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectStatus, Job, JobFilter,
+    JobState, NewJob, Resolution, SavePlanParams, Sent,
+};
 use idem_provider_server::{Fault, ProviderServerConfig};
 use idem_tests::{Backend, Harness, both_backends, plugins};
 use std::sync::Arc;
@@ -47,12 +51,15 @@ async fn the_same_invoice_event_delivered_three_times_sends_one_email(backend: B
             .unwrap();
     }
     let stats = h.drain().await;
-    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
     assert_eq!(stats.succeeded, 3);
     assert_eq!(stats.idempotency_hits, 2, "{stats:?}");
     let effect = h
         .store
-        .effect_get("invoice:42:email:v1")
+        .effect_get("send_invoice_email/invoice:42:email:v1")
         .await
         .unwrap()
         .unwrap();
@@ -69,7 +76,7 @@ async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_sends_one_email(b
     )
     .await;
     h.provider
-        .script_faults("invoice:42:email:v1", vec![Fault::Late]);
+        .script_faults("send_invoice_email/invoice:42:email:v1", vec![Fault::Late]);
     let id = h
         .store
         .job_insert(invoice(42, "ana@example.com"))
@@ -83,18 +90,24 @@ async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_sends_one_email(b
     assert_eq!(job.errors[0].code, "provider_timeout");
     assert_eq!(job.errors[0].class, ErrorClass::Ambiguous);
     assert_eq!(
-        h.provider.applied("invoice:42:email:v1"),
+        h.provider.applied("send_invoice_email/invoice:42:email:v1"),
         1,
         "the provider applied it once"
     );
-    assert!(h.provider.requests("invoice:42:email:v1") >= 2);
+    assert!(
+        h.provider
+            .requests("send_invoice_email/invoice:42:email:v1")
+            >= 2
+    );
     assert_eq!(stats.effects_failed, 1);
 }
 
 async fn a_429_is_retried_after_its_retry_after_and_then_succeeds(backend: Backend) {
     let h = Harness::new(backend).await;
-    h.provider
-        .script_faults("invoice:42:email:v1", vec![Fault::TooManyRequests]);
+    h.provider.script_faults(
+        "send_invoice_email/invoice:42:email:v1",
+        vec![Fault::TooManyRequests],
+    );
     let id = h
         .store
         .job_insert(invoice(42, "ana@example.com"))
@@ -110,13 +123,18 @@ async fn a_429_is_retried_after_its_retry_after_and_then_succeeds(backend: Backe
         started.elapsed() >= Duration::from_secs(1),
         "Retry-After: 1 was honoured"
     );
-    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
 }
 
 async fn a_permanent_provider_error_dead_letters_with_its_code_and_sends_nothing(backend: Backend) {
     let h = Harness::new(backend).await;
-    h.provider
-        .script_faults("invoice:42:email:v1", vec![Fault::BadRequest]);
+    h.provider.script_faults(
+        "send_invoice_email/invoice:42:email:v1",
+        vec![Fault::BadRequest],
+    );
     let id = h
         .store
         .job_insert(invoice(42, "ana@example.com"))
@@ -128,11 +146,14 @@ async fn a_permanent_provider_error_dead_letters_with_its_code_and_sends_nothing
     assert_eq!(job.state, JobState::Dead);
     assert_eq!(job.attempt, 1, "permanent: no retry");
     assert_eq!(job.last_error_code.as_deref(), Some("bad_request"));
-    assert_eq!(h.provider.applied("invoice:42:email:v1"), 0);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:42:email:v1"),
+        0
+    );
     assert_eq!(stats.dead, 1);
     let effect = h
         .store
-        .effect_get("invoice:42:email:v1")
+        .effect_get("send_invoice_email/invoice:42:email:v1")
         .await
         .unwrap()
         .unwrap();
@@ -176,9 +197,13 @@ async fn a_key_reused_for_a_different_request_is_an_idempotency_key_conflict(bac
         job.last_error_code.as_deref(),
         Some("idempotency_key_conflict")
     );
-    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
     assert_eq!(
-        h.provider.requests("invoice:42:email:v1"),
+        h.provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
+    assert_eq!(
+        h.provider
+            .requests("send_invoice_email/invoice:42:email:v1"),
         1,
         "the conflicting request never left the host"
     );
@@ -187,7 +212,11 @@ async fn a_key_reused_for_a_different_request_is_an_idempotency_key_conflict(bac
 async fn the_provider_reports_a_key_conflict_as_permanent(backend: Backend) {
     // The ledger lost its row (e.g. a restore): the provider still protects the key.
     let h = Harness::new(backend).await;
-    let client = reqwest_free_post(&h.provider.base_url, "invoice:42:email:v1").await;
+    let client = reqwest_free_post(
+        &h.provider.base_url,
+        "send_invoice_email/invoice:42:email:v1",
+    )
+    .await;
     assert!(client);
     let id = h
         .store
@@ -280,7 +309,7 @@ async fn the_order_flow_delivered_twice_sends_one_webhook_and_enqueues_one_invoi
     h.store.job_insert(order(7, "evt_1")).await.unwrap();
     h.store.job_insert(order(7, "evt_1")).await.unwrap();
     let stats = h.drain().await;
-    assert_eq!(h.provider.applied("webhook:evt_1:acme"), 1);
+    assert_eq!(h.provider.applied("order_sync/webhook:evt_1:acme"), 1);
     let invoices: Vec<_> = jobs(&h, JobState::Succeeded)
         .await
         .into_iter()
@@ -289,10 +318,10 @@ async fn the_order_flow_delivered_twice_sends_one_webhook_and_enqueues_one_invoi
     assert_eq!(invoices.len(), 1, "exactly one child invoice job");
     assert_eq!(
         invoices[0].idempotency_key.as_deref(),
-        Some("order:7:invoice")
+        Some("order_sync/order:7:invoice")
     );
     assert_eq!(
-        h.provider.applied("invoice:7:email:v1"),
+        h.provider.applied("send_invoice_email/invoice:7:email:v1"),
         1,
         "and its email, once"
     );
@@ -304,7 +333,7 @@ async fn a_plugin_upgrade_between_attempts_still_executes_the_stored_plan(backen
     // The first attempt stores the plan, then the webhook is refused: the job
     // is dead-lettered with its plan (and the effect marked failed).
     h.provider
-        .script_faults("webhook:evt_9:acme", vec![Fault::BadRequest]);
+        .script_faults("order_sync/webhook:evt_9:acme", vec![Fault::BadRequest]);
     let id = h.store.job_insert(order(9, "evt_9")).await.unwrap().id;
     h.drain().await;
     let stored = h.store.job_get(id).await.unwrap().unwrap();
@@ -317,18 +346,21 @@ async fn a_plugin_upgrade_between_attempts_still_executes_the_stored_plan(backen
         stored.plan_hash.clone().unwrap()
     );
     assert_eq!(stored.state, JobState::Dead);
-    assert_eq!(h.store.job_replay(&[id]).await.unwrap(), 1);
+    assert_eq!(h.store.job_replay(&[id]).await.unwrap().replayed, [id]);
     let stats = h.drain().await;
     assert_eq!(
         stats.plugin_calls, 1,
         "only the child invoice job called a plugin"
     );
     assert_eq!(stats.plans_reused, 1);
-    assert_eq!(h.provider.applied("webhook:evt_9:acme"), 1);
+    assert_eq!(h.provider.applied("order_sync/webhook:evt_9:acme"), 1);
     let job = h.store.job_get(id).await.unwrap().unwrap();
     assert_eq!(job.state, JobState::Succeeded);
     assert_eq!(job.plan, stored.plan);
-    assert_eq!(h.provider.applied("invoice:9:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:9:email:v1"),
+        1
+    );
 }
 
 async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: Backend) {
@@ -344,18 +376,14 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
         .job_insert(invoice(42, "ana@example.com"))
         .await
         .unwrap();
-    let job = h
-        .store
-        .job_claim(ClaimParams {
-            queue: "default".into(),
-            worker: "a".into(),
-            limit: 1,
-            lease: Duration::from_secs(30),
-            queue_concurrency: None,
-        })
-        .await
-        .unwrap()
-        .remove(0);
+    let claim = |worker: &str| ClaimParams {
+        queue: "default".into(),
+        worker: worker.into(),
+        limit: 1,
+        lease: Duration::from_secs(10),
+        queue_concurrency: None,
+    };
+    let job = h.store.job_claim(claim("a")).await.unwrap().remove(0);
     let plan = vec![Effect {
         provider: "email".into(),
         idempotency_key: "invoice:42:email:v1".into(),
@@ -377,37 +405,44 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
     };
     let (a, b) = (executor("a"), executor("b"));
     let never = tokio_util::sync::CancellationToken::new();
-    let (ra, rb) = tokio::join!(a.execute(&job, &plan, &never), async {
+    // While A's call is in flight, A's job lease runs out and B takes the
+    // job over: the key's own lease (sized from the provider timeout) still
+    // protects A's call.
+    let (ra, (rb, job_b)) = tokio::join!(a.execute(&job, &plan, &never), async {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        b.execute(&job, &plan, &never).await
+        h.store
+            .clock_advance(Duration::from_secs(11))
+            .await
+            .unwrap();
+        assert_eq!(h.store.job_rescue_expired(10).await.unwrap(), [job.id]);
+        let job_b = h.store.job_claim(claim("b")).await.unwrap().remove(0);
+        (b.execute(&job_b, &plan, &never).await, job_b)
     });
-    // Whoever claimed the key first carries the effect out; the other defers.
-    let (winner, loser) = match (&ra, &rb) {
+    match (&ra, &rb) {
         (PlanOutcome::Done, PlanOutcome::Deferred { reason, .. }) => {
             assert_eq!(*reason, DeferReason::EffectLeasedByOther);
-            (&a, &b)
         }
-        (PlanOutcome::Deferred { reason, .. }, PlanOutcome::Done) => {
-            assert_eq!(*reason, DeferReason::EffectLeasedByOther);
-            (&b, &a)
-        }
-        other => panic!("expected one success and one deferral, got {other:?}"),
-    };
-    assert_eq!(winner.stats.snapshot().effects_executed, 1);
+        other => panic!("expected A's success and B's deferral, got {other:?}"),
+    }
+    assert_eq!(a.stats.snapshot().effects_executed, 1);
     assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
-    // The loser's retry finds the effect done.
+    // B's retry finds the effect done; A, fenced out of the job, claims nothing.
     assert!(matches!(
-        loser.execute(&job, &plan, &never).await,
+        b.execute(&job_b, &plan, &never).await,
         PlanOutcome::Done
     ));
-    assert_eq!(loser.stats.snapshot().idempotency_hits, 1);
+    assert_eq!(b.stats.snapshot().idempotency_hits, 1);
+    assert!(
+        matches!(a.execute(&job, &plan, &never).await, PlanOutcome::Done),
+        "A's key is done (looked up before any claim)"
+    );
     assert_eq!(h.provider.requests("invoice:42:email:v1"), 1);
 }
 
 async fn an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider(backend: Backend) {
     let h = Harness::new(backend).await;
     h.provider.script_faults(
-        "invoice:1:email:v1",
+        "send_invoice_email/invoice:1:email:v1",
         vec![Fault::ServerError, Fault::ServerError, Fault::ServerError],
     );
     let mut job = invoice(1, "ana@example.com");
@@ -423,17 +458,20 @@ async fn an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider(backe
         "the open circuit deferred the job: {stats:?}"
     );
     assert_eq!(
-        h.provider.requests("invoice:1:email:v1"),
+        h.provider.requests("send_invoice_email/invoice:1:email:v1"),
         4,
         "three failures and the success, no more"
     );
-    assert_eq!(h.provider.applied("invoice:1:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:1:email:v1"),
+        1
+    );
 }
 
 async fn a_replay_with_a_discarded_plan_asks_the_fixed_plugin_again(backend: Backend) {
     let h = Harness::new(backend).await;
     h.provider
-        .script_faults("webhook:evt_5:acme", vec![Fault::BadRequest]);
+        .script_faults("order_sync/webhook:evt_5:acme", vec![Fault::BadRequest]);
     let id = h.store.job_insert(order(5, "evt_5")).await.unwrap().id;
     h.drain().await;
     assert_eq!(
@@ -453,7 +491,7 @@ async fn a_replay_with_a_discarded_plan_asks_the_fixed_plugin_again(backend: Bac
     let job = h.store.job_get(id).await.unwrap().unwrap();
     assert_eq!(job.state, JobState::Succeeded);
     assert_eq!(job.plan.as_deref(), Some("[]"));
-    assert_eq!(h.provider.applied("webhook:evt_5:acme"), 0);
+    assert_eq!(h.provider.applied("order_sync/webhook:evt_5:acme"), 0);
 }
 
 async fn an_effect_done_before_is_skipped_even_while_its_provider_circuit_is_open(
@@ -465,11 +503,16 @@ async fn an_effect_done_before_is_skipped_even_while_its_provider_circuit_is_ope
         .await
         .unwrap();
     h.drain().await;
-    assert_eq!(h.provider.applied("invoice:1:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:1:email:v1"),
+        1
+    );
     // Open the email circuit with one failure.
     let providers = h.providers_with("breaker_failures = 1\nbreaker_cool_down = \"1h\"");
-    h.provider
-        .script_faults("invoice:2:email:v1", vec![Fault::ServerError]);
+    h.provider.script_faults(
+        "send_invoice_email/invoice:2:email:v1",
+        vec![Fault::ServerError],
+    );
     let mut failing = invoice(2, "bob@example.com");
     failing.max_attempts = 1;
     h.store.job_insert(failing).await.unwrap();
@@ -492,7 +535,407 @@ async fn an_effect_done_before_is_skipped_even_while_its_provider_circuit_is_ope
     assert_eq!(stats.idempotency_hits, 1);
 }
 
+/// The email effect of invoice `id`, as a ghost worker stores and sends it.
+fn invoice_email(id: u64) -> Effect {
+    Effect {
+        provider: "email".into(),
+        idempotency_key: format!("invoice:{id}:email:v1"),
+        action: Action::Email {
+            to: vec!["ana@example.com".into()],
+            subject: format!("Invoice {id}"),
+            text: Some("hi".into()),
+            html: None,
+            template: None,
+        },
+    }
+}
+
+/// A worker that vanished mid-call: it claimed the job (lease `lease`),
+/// stored `effect` as its plan, claimed its key and sent the request, then
+/// never marked anything. Returns the job.
+async fn ghost_sent(h: &Harness, effect: &Effect, lease: Duration) -> Job {
+    let id = h
+        .store
+        .job_insert(invoice(1, "x@example.com"))
+        .await
+        .unwrap()
+        .id;
+    let job = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "default".into(),
+            worker: "ghost".into(),
+            limit: 1,
+            lease,
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(job.id, id);
+    h.store
+        .job_save_plan(SavePlanParams {
+            fence: job.fence(),
+            plan: serde_json::to_string(&vec![effect.clone()]).unwrap(),
+            plugin_hash: "ghost".into(),
+        })
+        .await
+        .unwrap();
+    let claim = h
+        .store
+        .effect_claim(EffectClaimParams {
+            key: effect.idempotency_key.clone(),
+            job_id: id,
+            plugin: job.plugin.clone(),
+            provider: effect.provider.clone(),
+            fingerprint: fingerprint(effect),
+            worker: "ghost".into(),
+            job_attempt: job.attempt,
+            lease,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(claim, EffectClaim::Claimed { .. }), "{claim:?}");
+    let provider = h.providers().get(&effect.provider).unwrap();
+    provider
+        .provider
+        .execute(effect)
+        .await
+        .expect("the ghost's request reached the provider");
+    job
+}
+
+/// Window 1: the holder of a key vanished after its request reached a
+/// provider that cannot dedupe. The next worker does not send it again: the
+/// job is dead-lettered `may_not_resend`, the key waits for an operator, and
+/// once resolved as applied a replay finishes the job without a second send.
+async fn a_vanished_holder_at_a_provider_without_dedupe_is_never_sent_twice(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let effect = invoice_email(51);
+    let key = effect.idempotency_key.clone();
+    let job = ghost_sent(&h, &effect, Duration::from_secs(5)).await;
+    assert_eq!(h.provider.applied(&key), 1);
+    h.store
+        .clock_advance(Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(h.store.job_rescue_expired(10).await.unwrap(), [job.id]);
+    let no_dedupe = h.providers_with("breaker_failures = 1000\ndedupes = false");
+    h.drain_with(no_dedupe.clone()).await;
+
+    let dead = h.store.job_get(job.id).await.unwrap().unwrap();
+    assert_eq!(dead.state, JobState::Dead);
+    assert_eq!(dead.last_error_code.as_deref(), Some("may_not_resend"));
+    assert_eq!(h.provider.requests(&key), 1, "not sent again");
+    let row = h.store.effect_get(&key).await.unwrap().unwrap();
+    assert!(row.in_doubt && row.reached, "{row:?}");
+    let refused = h.store.job_replay(&[job.id]).await.unwrap();
+    assert_eq!(refused.refused, [(job.id, key.clone())]);
+
+    assert!(
+        h.store
+            .effect_resolve(
+                &key,
+                Resolution::Applied {
+                    result_ref: Some("msg-ghost".into())
+                }
+            )
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        h.store.job_replay(&[job.id]).await.unwrap().replayed,
+        [job.id]
+    );
+    h.drain_with(no_dedupe).await;
+    let done = h.store.job_get(job.id).await.unwrap().unwrap();
+    assert_eq!(done.state, JobState::Succeeded);
+    assert_eq!(h.provider.requests(&key), 1);
+    assert_eq!(h.provider.applied(&key), 1);
+}
+
+/// Window 1, the other side: a provider that dedupes gets the request again
+/// with the same key, and applies it once.
+async fn a_vanished_holder_at_a_deduping_provider_is_resent_with_the_same_key(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let effect = invoice_email(52);
+    let key = effect.idempotency_key.clone();
+    let job = ghost_sent(&h, &effect, Duration::from_secs(5)).await;
+    h.store
+        .clock_advance(Duration::from_secs(60))
+        .await
+        .unwrap();
+    h.store.job_rescue_expired(10).await.unwrap();
+    h.drain().await;
+    let done = h.store.job_get(job.id).await.unwrap().unwrap();
+    assert_eq!(done.state, JobState::Succeeded);
+    assert_eq!(done.attempt, 2);
+    assert_eq!(h.provider.requests(&key), 2, "sent again, same key");
+    assert_eq!(h.provider.applied(&key), 1, "applied once");
+}
+
+/// Window 2: past the provider's dedupe window a resend could apply twice:
+/// the job is dead-lettered `dedupe_window_passed` instead.
+async fn a_key_in_doubt_past_the_dedupe_window_is_not_sent_again(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let effect = invoice_email(53);
+    let key = effect.idempotency_key.clone();
+    let job = ghost_sent(&h, &effect, Duration::from_secs(5)).await;
+    h.store
+        .clock_advance(Duration::from_secs(2 * 3600))
+        .await
+        .unwrap();
+    h.store.job_rescue_expired(10).await.unwrap();
+    h.drain_with(h.providers_with("breaker_failures = 1000\ndedupe_window = \"1h\""))
+        .await;
+    let dead = h.store.job_get(job.id).await.unwrap().unwrap();
+    assert_eq!(dead.state, JobState::Dead);
+    assert_eq!(
+        dead.last_error_code.as_deref(),
+        Some("dedupe_window_passed")
+    );
+    assert_eq!(h.provider.requests(&key), 1);
+    assert!(h.store.effect_get(&key).await.unwrap().unwrap().in_doubt);
+}
+
+/// Window 2, deferrals: a job deferred (its key held by another worker) for
+/// longer than `max_deferral` is dead-lettered `deferred_too_long` instead
+/// of waiting forever.
+async fn a_job_deferred_longer_than_max_deferral_is_dead_lettered(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let effect = invoice_email(54);
+    // A holder that keeps the key for ten hours (its job in another queue).
+    let blocker = h
+        .store
+        .job_insert(NewJob {
+            queue: "blockers".into(),
+            ..invoice(2, "x@example.com")
+        })
+        .await
+        .unwrap()
+        .id;
+    let held = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "blockers".into(),
+            worker: "blocker".into(),
+            limit: 1,
+            lease: Duration::from_secs(36_000),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(held.id, blocker);
+    let claim = h
+        .store
+        .effect_claim(EffectClaimParams {
+            key: effect.idempotency_key.clone(),
+            job_id: blocker,
+            plugin: held.plugin.clone(),
+            provider: "email".into(),
+            fingerprint: fingerprint(&effect),
+            worker: "blocker".into(),
+            job_attempt: held.attempt,
+            lease: Duration::from_secs(36_000),
+        })
+        .await
+        .unwrap();
+    assert!(matches!(claim, EffectClaim::Claimed { .. }));
+    // The victim carries the same effect in its stored plan.
+    let victim = ghost_plan(&h, &effect).await;
+
+    let worker = Worker::new(
+        h.store.clone(),
+        h.registry.clone(),
+        h.providers(),
+        WorkerSettings {
+            max_deferral: Duration::from_secs(3600),
+            ..h.settings("w")
+        },
+    );
+    let running = tokio::spawn(worker.run(tokio_util::sync::CancellationToken::new()));
+    // Wait (on the store, not a timer) for the first deferral.
+    let deferred = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let job = h.store.job_get(victim).await.unwrap().unwrap();
+            if job.deferred_since_ms.is_some() {
+                return job;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the job is deferred");
+    assert_eq!(deferred.state, JobState::Retrying);
+    h.store
+        .clock_advance(Duration::from_secs(2 * 3600))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), running)
+        .await
+        .expect("drains")
+        .unwrap()
+        .unwrap();
+    let dead = h.store.job_get(victim).await.unwrap().unwrap();
+    assert_eq!(dead.state, JobState::Dead);
+    assert_eq!(dead.last_error_code.as_deref(), Some("deferred_too_long"));
+    assert_eq!(dead.attempt, 1, "deferrals used no attempt");
+    assert_eq!(h.provider.requests(&effect.idempotency_key), 0);
+}
+
+/// A job whose stored plan is `[effect]`, waiting to run (its plan stored by
+/// an attempt that gave its lease back).
+async fn ghost_plan(h: &Harness, effect: &Effect) -> idem::store::JobId {
+    let id = h
+        .store
+        .job_insert(invoice(3, "x@example.com"))
+        .await
+        .unwrap()
+        .id;
+    let job = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "default".into(),
+            worker: "setup".into(),
+            limit: 1,
+            lease: Duration::from_secs(60),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(job.id, id);
+    h.store
+        .job_save_plan(SavePlanParams {
+            fence: job.fence(),
+            plan: serde_json::to_string(&vec![effect.clone()]).unwrap(),
+            plugin_hash: "setup".into(),
+        })
+        .await
+        .unwrap();
+    h.store.job_release(&job.fence()).await.unwrap();
+    id
+}
+
+/// Window 8: a key claimed by a release that fingerprinted the serde
+/// layout is still recognised as the same request after the upgrade.
+async fn a_key_claimed_under_the_old_fingerprint_is_still_the_same_request(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let effect = invoice_email(55);
+    let key = effect.idempotency_key.clone();
+    let old = h
+        .store
+        .job_insert(NewJob {
+            queue: "blockers".into(),
+            ..invoice(4, "x@example.com")
+        })
+        .await
+        .unwrap()
+        .id;
+    let held = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "blockers".into(),
+            worker: "old-release".into(),
+            limit: 1,
+            lease: Duration::from_secs(60),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(held.id, old);
+    let fence = match h
+        .store
+        .effect_claim(EffectClaimParams {
+            key: key.clone(),
+            job_id: old,
+            plugin: held.plugin.clone(),
+            provider: "email".into(),
+            fingerprint: legacy_fingerprint(&effect),
+            worker: "old-release".into(),
+            job_attempt: held.attempt,
+            lease: Duration::from_secs(60),
+        })
+        .await
+        .unwrap()
+    {
+        EffectClaim::Claimed { fence } => fence,
+        other => panic!("{other:?}"),
+    };
+    h.store
+        .effect_set_failed(EffectFailParams {
+            fence,
+            status: EffectStatus::Retrying,
+            error_code: "provider_unavailable".into(),
+            sent: Sent::NotApplied,
+        })
+        .await
+        .unwrap();
+    assert_ne!(legacy_fingerprint(&effect), fingerprint(&effect));
+    let id = ghost_plan(&h, &effect).await;
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{:?}", job.last_error_code);
+    assert_eq!(h.provider.applied(&key), 1);
+}
+
+/// Window 6: keys live in the emitting plugin's namespace. A child job
+/// enqueued by `order_sync` with key `order:7:invoice` cannot squat that key
+/// for a producer of `send_invoice_email`, and the producer's job keeps its
+/// own payload.
+async fn a_plugin_cannot_take_a_key_a_producer_will_use(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.store.job_insert(order(7, "evt_1")).await.unwrap();
+    h.drain().await;
+    let producer = h
+        .store
+        .job_insert(NewJob {
+            idempotency_key: Some("order:7:invoice".into()),
+            ..invoice(70, "producer@example.com")
+        })
+        .await
+        .unwrap();
+    assert!(producer.inserted, "the producer's key was free");
+    h.drain().await;
+    let job = h.store.job_get(producer.id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert!(String::from_utf8_lossy(&job.payload).contains("producer@example.com"));
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:70:email:v1"),
+        1
+    );
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:7:email:v1"),
+        1
+    );
+    // The ledger holds each key under its plugin.
+    for key in [
+        "order_sync/order:7:invoice",
+        "order_sync/webhook:evt_1:acme",
+    ] {
+        assert_eq!(
+            h.store.effect_get(key).await.unwrap().unwrap().plugin,
+            "order_sync"
+        );
+    }
+    assert!(
+        h.store
+            .effect_get("order:7:invoice")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
 both_backends!(
+    a_plugin_cannot_take_a_key_a_producer_will_use,
+    a_key_claimed_under_the_old_fingerprint_is_still_the_same_request,
+    a_vanished_holder_at_a_provider_without_dedupe_is_never_sent_twice,
+    a_vanished_holder_at_a_deduping_provider_is_resent_with_the_same_key,
+    a_key_in_doubt_past_the_dedupe_window_is_not_sent_again,
+    a_job_deferred_longer_than_max_deferral_is_dead_lettered,
     an_effect_done_before_is_skipped_even_while_its_provider_circuit_is_open,
     a_replay_with_a_discarded_plan_asks_the_fixed_plugin_again,
     an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider,

@@ -116,7 +116,7 @@ async fn shutdown_records_the_call_in_flight_and_gives_the_lease_back(backend: B
     let worker = Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
     let stop = CancellationToken::new();
     let run = tokio::spawn(worker.run(stop.clone()));
-    while h.provider.requests("webhook:evt_3:acme") == 0 {
+    while h.provider.requests("order_sync/webhook:evt_3:acme") == 0 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     stop.cancel();
@@ -128,7 +128,7 @@ async fn shutdown_records_the_call_in_flight_and_gives_the_lease_back(backend: B
     // The webhook sent before the stop was answered and recorded ...
     let webhook = h
         .store
-        .effect_get("webhook:evt_3:acme")
+        .effect_get("order_sync/webhook:evt_3:acme")
         .await
         .unwrap()
         .unwrap();
@@ -137,7 +137,7 @@ async fn shutdown_records_the_call_in_flight_and_gives_the_lease_back(backend: B
     // ... the next effect was not started, and the job's lease was given back.
     assert!(
         h.store
-            .effect_get("order:3:invoice")
+            .effect_get("order_sync/order:3:invoice")
             .await
             .unwrap()
             .is_none()
@@ -145,17 +145,21 @@ async fn shutdown_records_the_call_in_flight_and_gives_the_lease_back(backend: B
     let job = h.store.job_get(id).await.unwrap().unwrap();
     assert_eq!(job.state, JobState::Available, "the lease was given back");
     assert_eq!(job.lease_owner, None);
-    assert_eq!(job.attempt, 1, "attempt kept");
+    assert_eq!(job.attempt, 0, "the interrupted attempt is given back");
+    assert_eq!(job.interruptions, 1, "and counted as an interruption");
     // Another worker finishes the stored plan; the webhook is not sent again.
     let stats = h.drain().await;
     assert_eq!(
         h.store.job_get(id).await.unwrap().unwrap().state,
         JobState::Succeeded
     );
-    assert_eq!(h.provider.requests("webhook:evt_3:acme"), 1);
-    assert_eq!(h.provider.applied("webhook:evt_3:acme"), 1);
+    assert_eq!(h.provider.requests("order_sync/webhook:evt_3:acme"), 1);
+    assert_eq!(h.provider.applied("order_sync/webhook:evt_3:acme"), 1);
     assert!(stats.idempotency_hits >= 1);
-    assert_eq!(h.provider.applied("invoice:3:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:3:email:v1"),
+        1
+    );
 }
 
 async fn a_dead_job_replays_and_succeeds_once_the_cause_is_fixed(backend: Backend) {
@@ -182,13 +186,16 @@ async fn a_dead_job_replays_and_succeeds_once_the_cause_is_fixed(backend: Backen
         .unwrap();
     assert_eq!(listed.len(), 1);
     // Fixed: replay with the provider configured.
-    assert_eq!(h.store.job_replay(&[id]).await.unwrap(), 1);
+    assert_eq!(h.store.job_replay(&[id]).await.unwrap().replayed, [id]);
     h.drain().await;
     let job = h.store.job_get(id).await.unwrap().unwrap();
     assert_eq!(job.state, JobState::Succeeded);
     assert_eq!(job.attempt, 1, "attempts were reset");
     assert_eq!(job.errors.len(), 1, "the history is kept");
-    assert_eq!(h.provider.applied("invoice:5:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:5:email:v1"),
+        1
+    );
 }
 
 async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend: Backend) {
@@ -232,7 +239,10 @@ async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend:
         Written::Job(Fence::FencedOut)
     );
     assert_eq!(h.store.job_get(id).await.unwrap().unwrap(), job);
-    assert_eq!(h.provider.applied("invoice:8:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:8:email:v1"),
+        1
+    );
 }
 
 async fn exit_when_drained_looks_only_at_the_served_queues(backend: Backend) {
@@ -289,7 +299,7 @@ async fn two_workers_share_a_queue_and_every_effect_happens_once(backend: Backen
     for i in 0..60 {
         assert_eq!(
             h.provider
-                .applied(&format!("invoice:{}:email:v1", 1000 + i)),
+                .applied(&format!("send_invoice_email/invoice:{}:email:v1", 1000 + i)),
             1
         );
     }
@@ -343,7 +353,47 @@ async fn a_full_instance_pool_defers_jobs_instead_of_failing_them(backend: Backe
     assert_eq!(looped.last_error_code.as_deref(), Some("plugin_timeout"));
 }
 
+/// Window 7: the first heartbeat comes at a third of the claim-time lease,
+/// whatever the plugin's own (longer) lease. Here the claim-time lease is
+/// 3 s and the provider takes 6 s: had the keeper waited for a third of
+/// the plugin's lease, the job would have been rescued mid-call.
+async fn the_first_heartbeat_comes_before_the_claim_time_lease_lapses(backend: Backend) {
+    let mut h = Harness::with_provider(
+        backend,
+        ProviderServerConfig {
+            processing_delay: Duration::from_millis(6000),
+            ..ProviderServerConfig::default()
+        },
+    )
+    .await;
+    h.provider_timeout = Duration::from_secs(10);
+    let id = h.store.job_insert(invoice(61)).await.unwrap().id;
+    let mut settings = h.settings("short-claims");
+    settings.lease = Duration::from_secs(3);
+    let worker = Worker::new(h.store.clone(), h.registry.clone(), h.providers(), settings);
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        worker.run(CancellationToken::new()),
+    )
+    .await
+    .expect("drains")
+    .unwrap();
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded);
+    assert_eq!((job.attempt, job.rescues), (1, 0), "never rescued: {job:?}");
+    assert!(
+        job.heartbeat_at_ms > Some(job.created_at_ms),
+        "extended while running"
+    );
+    assert_eq!(
+        h.provider
+            .requests("send_invoice_email/invoice:61:email:v1"),
+        1
+    );
+}
+
 both_backends!(
+    the_first_heartbeat_comes_before_the_claim_time_lease_lapses,
     a_full_instance_pool_defers_jobs_instead_of_failing_them,
     two_workers_share_a_queue_and_every_effect_happens_once,
     exit_when_drained_looks_only_at_the_served_queues,

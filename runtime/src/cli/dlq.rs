@@ -44,7 +44,8 @@ pub enum DlqCommand {
         #[arg(long, default_value = "10/s")]
         rate: String,
         /// Drop each job's stored plan so the (fixed) plugin makes a new one;
-        /// refused for a job any of whose effects already happened.
+        /// refused (an error) for a job any of whose effects may have reached
+        /// its provider.
         #[arg(long)]
         discard_plan: bool,
     },
@@ -231,6 +232,7 @@ async fn replay(
         .map_err(|e| CliError::Runtime(e.into()))?;
     let gap = Duration::from_secs_f64(1.0 / per_second);
     let mut replayed = 0u64;
+    let mut refused: Vec<crate::store::JobId> = Vec::new();
     for (i, job) in dead.iter().enumerate() {
         if i > 0 {
             tokio::time::sleep(gap).await;
@@ -250,25 +252,43 @@ async fn replay(
                 .await
                 .map_err(|e| CliError::Runtime(e.into()))?;
             if !discarded {
+                // Replaying the old plan is not what was asked for.
+                refused.push(job.id);
                 eprintln!(
-                    "job {}: plan kept (some of its effects already happened); replaying it as it is",
+                    "job {}: refused, its plan cannot be discarded (an effect of it may already have reached its provider); replay it without --discard-plan to carry out the same plan",
                     job.id
                 );
+                continue;
             }
         }
-        replayed += store
+        let report = store
             .job_replay(&[job.id])
             .await
             .map_err(|e| CliError::Runtime(e.into()))?;
-        eprintln!(
-            "replayed job {} ({}, {})",
-            job.id,
-            job.plugin,
-            job.last_error_code.as_deref().unwrap_or("-")
-        );
+        for (id, key) in &report.refused {
+            refused.push(*id);
+            eprintln!(
+                "job {id}: refused, effect {key:?} may have happened and idem will not send it again; check with the provider, then `idem effects resolve {key} --applied` or `--not-applied`"
+            );
+        }
+        for id in &report.replayed {
+            replayed += 1;
+            eprintln!(
+                "replayed job {id} ({}, {})",
+                job.plugin,
+                job.last_error_code.as_deref().unwrap_or("-")
+            );
+        }
     }
-    println!("{}", json!({"replayed": replayed}));
-    Ok(())
+    println!("{}", json!({"replayed": replayed, "refused": refused}));
+    if refused.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::Failed(format!(
+            "{} job(s) refused (see above); {replayed} replayed",
+            refused.len()
+        )))
+    }
 }
 
 #[cfg(test)]

@@ -9,13 +9,19 @@
 //! - [`plugins`]: `idem plugins list|check` and `idem invoke`.
 //! - [`queue`]: `idem migrate|enqueue|run|stats`.
 //! - [`dlq`]: `idem dlq list|show|replay`.
+//! - [`effects`]: `idem effects show|resolve`.
 //! - [`bench`]: `idem bench`, throughput and latency on a clean store.
+//! - `chaos`: `idem chaos`, kills and faults against a real setup, then
+//!   checks 0 lost and 0 duplicates (with the `provider-server` feature).
 //! - `server`: `idem provider-server` (only with the default `provider-server`
 //!   feature).
 //! - [`signal`]: Ctrl-C / SIGTERM for the long-running commands.
 
 pub mod bench;
+#[cfg(feature = "provider-server")]
+pub mod chaos;
 pub mod dlq;
+pub mod effects;
 pub mod plugins;
 pub mod queue;
 #[cfg(feature = "provider-server")]
@@ -106,6 +112,13 @@ pub enum Command {
     /// The dead-letter queue.
     #[command(subcommand)]
     Dlq(dlq::DlqCommand),
+    /// Effect ledger: show a key, resolve an effect in doubt.
+    #[command(subcommand)]
+    Effects(effects::EffectsCommand),
+    /// Prove exactly-once effects here: kill and stop workers, inject
+    /// provider faults, then check 0 lost and 0 duplicates.
+    #[cfg(feature = "provider-server")]
+    Chaos(chaos::ChaosArgs),
     /// Run the local idempotent provider server (for demos and tests).
     #[cfg(feature = "provider-server")]
     ProviderServer(server::ProviderServerArgs),
@@ -189,6 +202,8 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         } => plugins::invoke(&config, &plugins_dir, &plugin, &payload, key).await,
         #[cfg(feature = "provider-server")]
         Command::ProviderServer(args) => server::run(args).await,
+        #[cfg(feature = "provider-server")]
+        Command::Chaos(args) => chaos::run(&config, &plugins_dir, args).await,
         Command::Migrate => queue::migrate(&config).await,
         Command::Enqueue(args) => queue::enqueue(&config, &plugins_dir, args).await,
         Command::Run(args) => queue::run(&config, &plugins_dir, args).await,
@@ -197,5 +212,6 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Stats { queue } => queue::stats(&config, queue.as_deref()).await,
         Command::Dlq(command) => dlq::run(&config, command).await,
+        Command::Effects(command) => effects::run(&config, command).await,
     }
 }

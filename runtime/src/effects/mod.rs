@@ -147,21 +147,108 @@ impl Effect {
     }
 }
 
-/// SHA-256 of the provider and action: the identity of a request, so one key
-/// reused for a different request is detected.
+/// The key an effect is carried out under: the plugin's own key in the
+/// emitting plugin's namespace, `PLUGIN/KEY`. The host derives it, so one
+/// plugin can neither take a key another plugin (or a producer, for child
+/// jobs) will use, nor poison it with a different request.
+///
+/// ```
+/// assert_eq!(idem::effects::scoped_key("order_sync", "order:7:invoice"), "order_sync/order:7:invoice");
+/// ```
+pub fn scoped_key(plugin: &str, key: &str) -> String {
+    format!("{plugin}/{key}")
+}
+
+/// A fresh plan with every key scoped to `plugin` (see [`scoped_key`]).
+/// Plans stored before keys were scoped keep their keys as they are.
+///
+/// ```
+/// use idem::effects::{Action, Effect, scope_plan};
+/// let plan = vec![Effect { provider: "p".into(), idempotency_key: "k".into(), action: Action::Custom { body: vec![] } }];
+/// assert_eq!(scope_plan("mailer", plan)[0].idempotency_key, "mailer/k");
+/// ```
+pub fn scope_plan(plugin: &str, plan: Vec<Effect>) -> Vec<Effect> {
+    plan.into_iter()
+        .map(|effect| Effect {
+            idempotency_key: scoped_key(plugin, &effect.idempotency_key),
+            ..effect
+        })
+        .collect()
+}
+
+/// Version tag of the fingerprint's canonical form. Bump it only with a
+/// migration path: every key in flight would otherwise turn into a conflict.
+pub const FINGERPRINT_VERSION: &str = "idem-fp/2";
+
+/// SHA-256 of an effect's provider and action in a canonical, versioned
+/// form, stored with its key: the same key with another fingerprint is a
+/// key reused for a different request. The form does not follow the Rust
+/// type's layout: object keys are sorted, and null values, empty lists and
+/// empty objects are left out, so a field added later with such a default
+/// keeps every key in flight valid.
 ///
 /// ```
 /// use idem::effects::{Action, Effect, fingerprint};
-/// let e = Effect { provider: "p".into(), idempotency_key: "k".into(), action: Action::Custom { body: vec![] } };
+/// let e = Effect { provider: "p".into(), idempotency_key: "k".into(), action: Action::Custom { body: b"x".to_vec() } };
 /// assert_eq!(fingerprint(&e).len(), 64);
 /// ```
 pub fn fingerprint(effect: &Effect) -> String {
+    let action = serde_json::to_value(&effect.action).unwrap_or_default();
+    fingerprint_of(&effect.provider, &action)
+}
+
+/// The fingerprint of a provider and an action given as JSON (the
+/// canonical form is applied here).
+pub fn fingerprint_of(provider: &str, action: &serde_json::Value) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(FINGERPRINT_VERSION.as_bytes());
+    hasher.update([0]);
+    hasher.update(provider.as_bytes());
+    hasher.update([0]);
+    let canonical = canonical(action).unwrap_or(serde_json::Value::Null);
+    hasher.update(canonical.to_string().as_bytes());
+    hex::encode(hasher.finalize())
+}
+
+/// The fingerprint of releases before the canonical form (serde's field
+/// order): how keys claimed by an older release are still recognised.
+pub fn legacy_fingerprint(effect: &Effect) -> String {
     let mut hasher = Sha256::new();
     hasher.update(effect.provider.as_bytes());
     hasher.update([0]);
-    // serde_json writes struct fields in declaration order: stable across runs.
     hasher.update(serde_json::to_vec(&effect.action).unwrap_or_default());
     hex::encode(hasher.finalize())
+}
+
+/// Sorted keys, without nulls and empty containers (`None` when the value
+/// itself is one of those).
+fn canonical(value: &serde_json::Value) -> Option<serde_json::Value> {
+    use serde_json::Value;
+    match value {
+        Value::Null => None,
+        Value::Array(items) if items.is_empty() => None,
+        Value::Array(items) => Some(Value::Array(
+            items
+                .iter()
+                .map(|v| canonical(v).unwrap_or(Value::Null))
+                .collect(),
+        )),
+        Value::Object(map) => {
+            let sorted: std::collections::BTreeMap<&String, Value> = map
+                .iter()
+                .filter_map(|(k, v)| canonical(v).map(|v| (k, v)))
+                .collect();
+            if sorted.is_empty() {
+                return None;
+            }
+            let mut out = serde_json::Map::new();
+            for (k, v) in sorted {
+                out.insert(k.clone(), v);
+            }
+            Some(Value::Object(out))
+        }
+        other => Some(other.clone()),
+    }
 }
 
 /// Caps on what one plugin call may return.
@@ -303,6 +390,51 @@ mod tests {
             action: Action::Custom { body: vec![] },
         }
     }
+
+    #[test]
+    fn fingerprints_ignore_layout_and_added_defaults_but_not_content() {
+        let email: serde_json::Value = serde_json::json!({
+            "type": "email", "to": ["ana@example.com"], "subject": "Invoice 42",
+            "text": "hi", "html": null, "template": null
+        });
+        let reordered_with_new_field = serde_json::json!({
+            "subject": "Invoice 42", "type": "email", "text": "hi",
+            "to": ["ana@example.com"], "reply_to": null, "tags": [], "meta": {}
+        });
+        assert_eq!(
+            fingerprint_of("email", &email),
+            fingerprint_of("email", &reordered_with_new_field)
+        );
+        let other = serde_json::json!({"type": "email", "to": ["ana@example.com"], "subject": "Invoice 43", "text": "hi"});
+        assert_ne!(
+            fingerprint_of("email", &email),
+            fingerprint_of("email", &other)
+        );
+        assert_ne!(
+            fingerprint_of("email", &email),
+            fingerprint_of("mail", &email)
+        );
+        // The typed action hashes as its JSON does.
+        let typed = Effect {
+            provider: "email".into(),
+            idempotency_key: "k".into(),
+            action: Action::Email {
+                to: vec!["ana@example.com".into()],
+                subject: "Invoice 42".into(),
+                text: Some("hi".into()),
+                html: None,
+                template: None,
+            },
+        };
+        assert_eq!(fingerprint(&typed), fingerprint_of("email", &email));
+        // Pinned: a change of the canonical form must bump FINGERPRINT_VERSION.
+        assert_eq!(fingerprint(&typed), PINNED_EMAIL_FINGERPRINT);
+        assert_ne!(fingerprint(&typed), legacy_fingerprint(&typed));
+    }
+
+    /// sha256("idem-fp/2\0email\0" + the canonical JSON of the email above).
+    const PINNED_EMAIL_FINGERPRINT: &str =
+        "f71aa93121487b6598e04e660b9ecf88dc26f64a450396083c5d8f1a9d047d59";
 
     #[test]
     fn plans_over_the_caps_are_too_large() {

@@ -49,8 +49,10 @@ pub struct ProviderConfig {
     /// does not, an effect whose outcome is unknown is never sent again.
     #[serde(default = "yes")]
     pub dedupes: bool,
-    /// How long the provider remembers a key (default 24 h). Not yet used
-    /// when deciding a retry: a retry after the window is sent like any other.
+    /// How long the provider remembers a key (default 24 h). An effect whose
+    /// earlier try may have reached the provider is sent again only inside
+    /// this window (counted from its first try); past it, the job is
+    /// dead-lettered `dedupe_window_passed` for an operator to resolve.
     #[serde(default = "default_window", with = "humantime_serde")]
     pub dedupe_window: Duration,
     /// Retry-storm protection.

@@ -9,7 +9,7 @@
 
 use super::outcome::DeferReason;
 use super::stats::WorkerStats;
-use crate::effects::{Action, Effect, fingerprint};
+use crate::effects::{Action, Effect, fingerprint, legacy_fingerprint};
 use crate::failpoint::{self, Failpoint};
 use crate::failure::{Code, ErrorClass, Failure};
 use crate::metrics;
@@ -17,7 +17,7 @@ use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::store::{
     ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus,
-    EffectSucceedParams, Fence, Job, NewJob, Store, StoreError, retry_transient,
+    EffectSucceedParams, Fence, Job, NewJob, Sent, Store, StoreError, retry_transient,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +45,9 @@ pub enum PlanOutcome {
     Store(StoreError),
     /// Stopped (shutdown or lease lost) between effects; nothing is in flight.
     Aborted,
+    /// The job's lease was lost (a key claim found another attempt holding
+    /// the job): nothing was claimed, nothing is recorded.
+    LeaseLost,
     /// This effect was done before (internal: the plan goes on).
     Skipped,
 }
@@ -83,6 +86,42 @@ fn failed_before(effect: &Effect, code: &str) -> PlanOutcome {
             effect.idempotency_key
         ),
     ))
+}
+
+/// Whether an effect whose earlier try may have been carried out
+/// (`sent_ago` since the first try) may be sent again: only to a provider
+/// that dedupes, and only inside its window; otherwise the failure that
+/// dead-letters the job until an operator resolves the key.
+///
+/// ```
+/// use idem::providers::Dedupe;
+/// use std::time::Duration;
+/// let window = Dedupe::Native { window: Duration::from_secs(3600) };
+/// assert!(idem::queue::executor::may_resend(window, Duration::from_secs(60), "k").is_ok());
+/// assert!(idem::queue::executor::may_resend(Dedupe::None, Duration::ZERO, "k").is_err());
+/// ```
+pub fn may_resend(dedupe: Dedupe, sent_ago: Duration, key: &str) -> Result<(), Failure> {
+    match dedupe {
+        Dedupe::None => Err(Failure::host(
+            Code::MayNotResend,
+            format!(
+                "an earlier try of {key:?} may have reached the provider, which cannot \
+                 dedupe: idem will not send it again; check with the provider, then run \
+                 `idem effects resolve {key} --applied` or `--not-applied`"
+            ),
+        )),
+        Dedupe::Native { window } if sent_ago > window => Err(Failure::host(
+            Code::DedupeWindowPassed,
+            format!(
+                "an earlier try of {key:?} may have reached the provider {} ago, longer \
+                 than its dedupe window of {}: idem will not send it again; check with the \
+                 provider, then run `idem effects resolve {key} --applied` or `--not-applied`",
+                humantime::format_duration(Duration::from_secs(sent_ago.as_secs())),
+                humantime::format_duration(window)
+            ),
+        )),
+        Dedupe::Native { .. } => Ok(()),
+    }
 }
 
 impl Executor {
@@ -148,7 +187,9 @@ impl Executor {
         abort: &CancellationToken,
     ) -> Result<(), PlanOutcome> {
         if effect.provider == JOBS_PROVIDER {
-            let fence = self.claim(job, effect, self.effect_lease).await?;
+            // A child job is unique on its plugin and key: enqueuing it again
+            // is always safe, so a claim in doubt goes on as any other.
+            let (fence, _) = self.claim(job, effect, self.effect_lease).await?;
             failpoint::hit(Failpoint::AfterKeyClaimed)
                 .await
                 .map_err(PlanOutcome::Store)?;
@@ -195,7 +236,28 @@ impl Executor {
             .effect_lease
             .max(provider.provider.timeout() * 2 + Duration::from_secs(5));
         let fence = match self.claim(job, effect, lease).await {
-            Ok(fence) => fence,
+            Ok((fence, None)) => fence,
+            Ok((fence, Some(sent_ago))) => match may_resend(
+                provider.provider.dedupe(),
+                sent_ago,
+                &effect.idempotency_key,
+            ) {
+                Ok(()) => {
+                    tracing::info!(
+                        ?sent_ago,
+                        "an earlier try may have been carried out: sending again with the same key, inside the provider's dedupe window"
+                    );
+                    fence
+                }
+                Err(failure) => {
+                    permit.release();
+                    tracing::warn!(code = %failure.code, "outcome unknown: not sent again");
+                    WorkerStats::bump(&self.stats.effects_failed);
+                    metrics::effect(&effect.provider, "failed");
+                    self.fail(&fence, &failure, Sent::Unresolved).await?;
+                    return Err(PlanOutcome::Failed(failure));
+                }
+            },
             Err(outcome) => {
                 // Skipped, deferred or refused: the provider was not called.
                 permit.release();
@@ -220,7 +282,7 @@ impl Executor {
             .await
             .map_err(PlanOutcome::Store)?;
         let Some(row) = row else { return Ok(None) };
-        if row.fingerprint != fingerprint(effect) {
+        if row.fingerprint != fingerprint(effect) && row.fingerprint != legacy_fingerprint(effect) {
             return Ok(Some(conflict(effect)));
         }
         Ok(match row.status {
@@ -247,27 +309,56 @@ impl Executor {
         metrics::effect(&effect.provider, "idempotency_hit");
     }
 
-    /// Claims the effect's key; every outcome but `Claimed` ends this effect.
+    /// Claims the effect's key; every outcome but a claim ends this effect.
+    /// A claim in doubt comes with how long ago the first try was sent.
     async fn claim(
         &self,
         job: &Job,
         effect: &Effect,
         lease: Duration,
-    ) -> Result<EffectFence, PlanOutcome> {
+    ) -> Result<(EffectFence, Option<Duration>), PlanOutcome> {
         let params = EffectClaimParams {
             key: effect.idempotency_key.clone(),
             job_id: job.id,
             plugin: job.plugin.clone(),
             provider: effect.provider.clone(),
             fingerprint: fingerprint(effect),
-            worker: self.worker.clone(),
+            // The job's lease owner (this worker's claim): the key is claimed
+            // only while that claim still holds the job.
+            worker: job
+                .lease_owner
+                .clone()
+                .unwrap_or_else(|| self.worker.clone()),
+            job_attempt: job.attempt,
             lease,
         };
-        let claim = retry_transient(|| self.store.effect_claim(params.clone()))
+        let mut claim = retry_transient(|| self.store.effect_claim(params.clone()))
             .await
             .map_err(PlanOutcome::Store)?;
+        if let EffectClaim::Conflict {
+            existing_fingerprint,
+        } = &claim
+        {
+            // Claimed by a release before the canonical fingerprint: the
+            // same request under its old fingerprint.
+            let legacy = legacy_fingerprint(effect);
+            if *existing_fingerprint == legacy {
+                let params = EffectClaimParams {
+                    fingerprint: legacy,
+                    ..params
+                };
+                claim = retry_transient(|| self.store.effect_claim(params.clone()))
+                    .await
+                    .map_err(PlanOutcome::Store)?;
+            }
+        }
         match claim {
-            EffectClaim::Claimed { fence } => Ok(fence),
+            EffectClaim::Claimed { fence } => Ok((fence, None)),
+            EffectClaim::InDoubt { fence, sent_ago } => Ok((fence, Some(sent_ago))),
+            EffectClaim::JobLost => {
+                tracing::warn!("the job was taken over by another attempt: stopping this one");
+                Err(PlanOutcome::LeaseLost)
+            }
             EffectClaim::AlreadySucceeded { result_ref } => {
                 self.hit(effect, result_ref.as_deref());
                 Err(PlanOutcome::Skipped)
@@ -308,7 +399,7 @@ impl Executor {
                 Code::UnsupportedAction,
                 "the jobs provider only enqueues jobs",
             );
-            self.fail(fence, &failure).await?;
+            self.fail(fence, &failure, Sent::NotApplied).await?;
             return Err(PlanOutcome::Failed(failure));
         };
         let child = NewJob {
@@ -382,9 +473,15 @@ impl Executor {
                 Ok(())
             }
             Err(mut failure) => {
+                let mut sent = if failure.class == ErrorClass::Ambiguous {
+                    Sent::MaybeApplied
+                } else {
+                    Sent::NotApplied
+                };
                 if failure.class == ErrorClass::Ambiguous
                     && provider.provider.dedupe() == Dedupe::None
                 {
+                    sent = Sent::Unresolved;
                     // Without provider-side dedupe a retry could repeat the
                     // effect: stop and let a human decide from the DLQ.
                     failure = Failure::host(
@@ -398,13 +495,18 @@ impl Executor {
                 tracing::warn!(code = %failure.code, class = failure.class.as_str(), "effect failed");
                 WorkerStats::bump(&self.stats.effects_failed);
                 metrics::effect(&effect.provider, "failed");
-                self.fail(fence, &failure).await?;
+                self.fail(fence, &failure, sent).await?;
                 Err(PlanOutcome::Failed(failure))
             }
         }
     }
 
-    async fn fail(&self, fence: &EffectFence, failure: &Failure) -> Result<(), PlanOutcome> {
+    async fn fail(
+        &self,
+        fence: &EffectFence,
+        failure: &Failure,
+        sent: Sent,
+    ) -> Result<(), PlanOutcome> {
         let status = if failure.class == ErrorClass::Permanent {
             EffectStatus::Failed
         } else {
@@ -414,6 +516,7 @@ impl Executor {
             fence: fence.clone(),
             status,
             error_code: failure.code.clone(),
+            sent,
         };
         let written = retry_transient(|| self.store.effect_set_failed(params.clone()))
             .await

@@ -4,7 +4,7 @@
 
 use super::backoff::Backoff;
 use super::stats::WorkerStats;
-use crate::failure::Failure;
+use crate::failure::{Code, Failure};
 use crate::metrics;
 use crate::store::{ErrorRecord, Fence, Job, JobChange, Store, StoreError, Write, Written};
 use std::time::Duration;
@@ -59,6 +59,8 @@ pub struct Policy {
     pub backoff: Backoff,
     /// Replace dead payloads by a reference.
     pub redact_dead_payloads: bool,
+    /// Longest run of deferrals before the job is dead-lettered.
+    pub max_deferral: Duration,
 }
 
 /// What recording an attempt wrote.
@@ -102,6 +104,22 @@ pub fn decide(
         Attempt::Interrupted => {
             tracing::info!("lease given back at shutdown");
             (JobChange::Release, Recorded::Released)
+        }
+        Attempt::Deferred { reason, .. } if deferred_too_long(job, policy.max_deferral) => {
+            let failure = Failure::host(
+                Code::DeferredTooLong,
+                format!(
+                    "deferred ({}) for longer than max_deferral ({})",
+                    reason.as_str(),
+                    humantime::format_duration(policy.max_deferral)
+                ),
+            );
+            return decide(
+                job,
+                Attempt::Failed(failure),
+                policy,
+                Version { plugin_hash, plan },
+            );
         }
         Attempt::Deferred { delay, reason } => {
             tracing::info!(?delay, reason = reason.as_str(), "job deferred");
@@ -162,6 +180,15 @@ pub fn decide(
         },
         recorded,
     ))
+}
+
+/// Whether the job's current run of deferrals began longer than `limit`
+/// before this attempt was claimed (both times by the database clock).
+fn deferred_too_long(job: &Job, limit: Duration) -> bool {
+    job.deferred_since_ms.is_some_and(|since| {
+        let claimed_at = job.heartbeat_at_ms.unwrap_or(job.updated_at_ms);
+        claimed_at.saturating_sub(since) > i64::try_from(limit.as_millis()).unwrap_or(i64::MAX)
+    })
 }
 
 /// What an attempt ran with, recorded with its outcome when no plan write

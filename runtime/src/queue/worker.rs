@@ -44,6 +44,8 @@ pub struct WorkerSettings {
     pub shutdown_grace: Duration,
     /// Default attempts.
     pub max_attempts: u32,
+    /// Longest run of deferrals before a job is dead-lettered.
+    pub max_deferral: Duration,
     /// Default backoff.
     pub backoff: Backoff,
     /// Redact dead payloads.
@@ -77,6 +79,7 @@ impl WorkerSettings {
             lease: config.worker.lease,
             shutdown_grace: config.worker.shutdown_grace,
             max_attempts: config.worker.max_attempts,
+            max_deferral: config.worker.max_deferral,
             backoff: Backoff {
                 base: config.worker.backoff_base,
                 max: config.worker.backoff_max,
@@ -409,6 +412,7 @@ impl Worker {
         let policy = Policy {
             backoff,
             redact_dead_payloads: self.settings.redact_dead_payloads,
+            max_deferral: self.settings.max_deferral,
         };
         let (store, stats) = (self.store.clone(), self.stats.clone());
         Some(async move {
@@ -516,6 +520,9 @@ impl Worker {
                 {
                     return Ok((Attempt::Failed(failure), ran));
                 }
+                // Keys live in the emitting plugin's namespace from here on:
+                // in the ledger, at the provider and as child-job keys.
+                let plan = crate::effects::scope_plan(&job.plugin, plan);
                 failpoint::hit(Failpoint::AfterPluginCall).await?;
                 if plan.is_empty() {
                     // Nothing to carry out: the success is the only write,
@@ -553,6 +560,7 @@ impl Worker {
             PlanOutcome::Deferred { delay, reason } => Attempt::Deferred { delay, reason },
             PlanOutcome::Store(error) => return Err(error),
             PlanOutcome::Aborted => Attempt::Interrupted,
+            PlanOutcome::LeaseLost => Attempt::LeaseLost,
         };
         Ok((attempt, Version::default()))
     }

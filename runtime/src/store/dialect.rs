@@ -52,6 +52,9 @@ pub(crate) struct Dialect {
     pub errors_col: &'static str,
     /// Appended to the claim's row picker (`FOR UPDATE SKIP LOCKED`).
     pub skip_locked: &'static str,
+    /// Appended to a select of job rows that must not change until the
+    /// transaction commits (`FOR SHARE OF jobs`).
+    pub lock_jobs: &'static str,
     /// The larger of two integers (`max` / `GREATEST`).
     pub greatest: &'static str,
     /// Prefix of a column in a batched write's fence that must not pick the

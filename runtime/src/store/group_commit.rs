@@ -15,7 +15,8 @@
 
 use super::{
     BackendKind, ClaimParams, EffectPruneParams, EffectRecord, Enqueued, Job, JobFilter, JobId,
-    NewJob, PruneParams, QueueStats, Result, Store, StoreError, Write, Written,
+    NewJob, PruneParams, QueueStats, Replayed, Resolution, Result, Store, StoreError, Write,
+    Written,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -191,8 +192,12 @@ impl Store for GroupCommit {
         self.inner.job_rescue_expired(limit).await
     }
 
-    async fn job_replay(&self, ids: &[JobId]) -> Result<u64> {
+    async fn job_replay(&self, ids: &[JobId]) -> Result<Replayed> {
         self.inner.job_replay(ids).await
+    }
+
+    async fn effect_resolve(&self, key: &str, resolution: Resolution) -> Result<bool> {
+        self.inner.effect_resolve(key, resolution).await
     }
 
     async fn job_discard_plan(&self, id: JobId) -> Result<bool> {

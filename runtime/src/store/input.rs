@@ -55,7 +55,7 @@ pub(crate) fn insertable(job: NewJob) -> Result<Insertable> {
         ));
     }
     if let Some(key) = &job.idempotency_key {
-        idem_sdk::key::validate(key).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        check_key(key)?;
     }
     let correlation_id = match job.correlation_id {
         Some(id) if id.is_empty() => {
@@ -131,9 +131,25 @@ pub(crate) fn batch_slots(jobs: &[Insertable]) -> Vec<Slot> {
         .collect()
 }
 
+/// Checks a stored key: a key as the SDK validates it, or one scoped by the
+/// host, `PLUGIN/KEY` (a plugin name of at most 128 bytes, then a valid key).
+pub(crate) fn check_key(key: &str) -> Result<()> {
+    let invalid = |e: idem_sdk::key::InvalidKey| StoreError::Invalid(e.to_string());
+    match idem_sdk::key::validate(key) {
+        Ok(()) => Ok(()),
+        Err(whole) => match key.split_once('/') {
+            Some((plugin, rest)) if !plugin.is_empty() && plugin.len() <= 128 => {
+                idem_sdk::key::validate(plugin).map_err(invalid)?;
+                idem_sdk::key::validate(rest).map_err(invalid)
+            }
+            _ => Err(invalid(whole)),
+        },
+    }
+}
+
 /// Checks the caller's part of an effect claim.
 pub(crate) fn check_effect_claim(params: &EffectClaimParams) -> Result<()> {
-    idem_sdk::key::validate(&params.key).map_err(|e| StoreError::Invalid(e.to_string()))?;
+    check_key(&params.key)?;
     if params.worker.is_empty() {
         return Err(StoreError::Invalid("worker id is empty".into()));
     }

@@ -30,6 +30,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     1 => "0001_init.sql",
     2 => "0002_effect_retention.sql",
     3 => "0003_clock.sql",
+    4 => "0004_unknown_outcomes.sql",
 );
 
 /// The PostgreSQL schema.
@@ -37,6 +38,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     1 => "0001_init.sql",
     2 => "0002_effect_retention.sql",
     3 => "0003_clock.sql",
+    4 => "0004_unknown_outcomes.sql",
 );
 
 impl Embedded {

@@ -92,7 +92,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Brings dead jobs back: `available`, attempts reset, keys and plan kept;
     /// effects of their plans that failed permanently become claimable again.
-    async fn job_replay(&self, ids: &[JobId]) -> Result<u64>;
+    /// A job whose plan holds an effect in doubt (it may have happened and
+    /// idem will not send it again) is refused, with that key, until an
+    /// operator resolves it ([`Store::effect_resolve`]).
+    async fn job_replay(&self, ids: &[JobId]) -> Result<Replayed>;
 
     /// Drops a dead job's stored plan, so a replay asks the (fixed) plugin
     /// for a new one. Refused (`false`) unless every effect of the plan that
@@ -118,6 +121,11 @@ pub trait Store: Send + Sync + 'static {
     /// `older_than`, at most `limit`. Keep them longer than any duplicate
     /// delivery can arrive: a pruned key can be carried out again.
     async fn effect_delete_finished(&self, params: EffectPruneParams) -> Result<u64>;
+
+    /// Records what an operator found out about an effect in doubt:
+    /// applied (succeeded, with the provider's reference) or not applied
+    /// (may be sent again). `false` when the key is not in doubt.
+    async fn effect_resolve(&self, key: &str, resolution: Resolution) -> Result<bool>;
 
     /// Reads one ledger row.
     async fn effect_get(&self, key: &str) -> Result<Option<EffectRecord>>;
@@ -164,7 +172,8 @@ pub trait Store: Send + Sync + 'static {
         )
     }
 
-    /// Gives a lease back at shutdown: `available` at once, attempt kept.
+    /// Gives a lease back at shutdown: `available` at once; the attempt is
+    /// given back too and counted as an interruption instead.
     async fn job_release(&self, fence: &JobFence) -> Result<Fence> {
         job_fence(
             self.write(Write::Job {
@@ -204,6 +213,7 @@ pub trait Store: Send + Sync + 'static {
                 change: EffectChange::Fail {
                     status: params.status,
                     error_code: params.error_code,
+                    sent: params.sent,
                 },
             })
             .await?;

@@ -184,6 +184,11 @@ pub struct Job {
     pub first_failed_at_ms: Option<i64>,
     /// Last failure, ms.
     pub last_failed_at_ms: Option<i64>,
+    /// When the current run of deferrals began, ms (`None` when the last
+    /// outcome was not a deferral).
+    pub deferred_since_ms: Option<i64>,
+    /// Leases given back at shutdown (they use up no attempt).
+    pub interruptions: u32,
 }
 
 /// Whether a payload is a redaction reference (the original is gone).
@@ -387,6 +392,14 @@ pub struct EffectRecord {
     pub created_at_ms: i64,
     /// Updated, ms.
     pub updated_at_ms: i64,
+    /// Sticky: some try may have carried the effect out (it succeeded, failed
+    /// ambiguously, or its holder vanished mid-call).
+    pub reached: bool,
+    /// The outcome is unknown and idem will not send it again: an operator
+    /// must resolve it ([`Store::effect_resolve`](super::Store::effect_resolve)).
+    pub in_doubt: bool,
+    /// When the first try was claimed for sending, ms.
+    pub first_sent_at_ms: Option<i64>,
 }
 
 /// Params of [`Store::effect_claim`](super::Store::effect_claim).
@@ -402,8 +415,12 @@ pub struct EffectClaimParams {
     pub provider: String,
     /// SHA-256 of the action.
     pub fingerprint: String,
-    /// The claiming worker.
+    /// The claiming worker (the job's lease owner).
     pub worker: String,
+    /// The job's attempt the worker holds: the claim is refused
+    /// ([`EffectClaim::JobLost`]) unless the worker still holds the job at
+    /// this attempt.
+    pub job_attempt: u32,
     /// Lease length.
     pub lease: Duration,
 }
@@ -416,6 +433,19 @@ pub enum EffectClaim {
         /// Fence for the writes that finish it.
         fence: EffectFence,
     },
+    /// The caller holds the key now, but an earlier try may have carried the
+    /// effect out (its holder vanished mid-call, or its call ended
+    /// ambiguously): send it again only to a provider that dedupes, and only
+    /// inside its dedupe window.
+    InDoubt {
+        /// Fence for the writes that finish it.
+        fence: EffectFence,
+        /// How long ago the first try was claimed for sending.
+        sent_ago: Duration,
+    },
+    /// The caller no longer holds the job at its attempt (rescued,
+    /// dead-lettered, replayed): nothing was claimed; stop the attempt.
+    JobLost,
     /// Done before: skip the effect (an idempotency hit).
     AlreadySucceeded {
         /// The stored reference.
@@ -459,6 +489,42 @@ pub struct EffectFailParams {
     pub status: EffectStatus,
     /// Classified code.
     pub error_code: String,
+    /// What the failed try tells about the provider.
+    pub sent: Sent,
+}
+
+/// What a failed try of an effect tells about the provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// Nothing was carried out: not sent, or refused by the provider.
+    NotApplied,
+    /// It may have been carried out (ambiguous): the row is marked reached.
+    MaybeApplied,
+    /// It may have been carried out and idem will not send it again: marked
+    /// reached and in doubt until an operator resolves it.
+    Unresolved,
+}
+
+/// An operator's answer for an effect in doubt
+/// ([`Store::effect_resolve`](super::Store::effect_resolve)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// The provider carried it out: the effect succeeded, with this reference.
+    Applied {
+        /// The provider's reference, if known.
+        result_ref: Option<String>,
+    },
+    /// The provider did not carry it out: it may be sent again.
+    NotApplied,
+}
+
+/// What a replay did, job by job.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Replayed {
+    /// Jobs brought back.
+    pub replayed: Vec<JobId>,
+    /// Jobs left dead, each with a key in doubt that must be resolved first.
+    pub refused: Vec<(JobId, String)>,
 }
 
 /// Params of [`Store::effect_set_succeeded`](super::Store::effect_set_succeeded).
@@ -577,6 +643,8 @@ pub enum EffectChange {
         status: EffectStatus,
         /// Classified code.
         error_code: String,
+        /// What the try tells about the provider.
+        sent: Sent,
     },
 }
 

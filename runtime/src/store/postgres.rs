@@ -45,6 +45,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     now: "(extract(epoch from statement_timestamp()) * 1000)::bigint",
     errors_col: "errors::text",
     skip_locked: "FOR UPDATE SKIP LOCKED",
+    lock_jobs: "FOR SHARE OF jobs",
     greatest: "GREATEST",
     no_index: "",
     json_param: |param| format!("({param})::jsonb"),
@@ -130,7 +131,20 @@ pub async fn connect_with_schema(url: &str, schema: &str, clock: Clock) -> Resul
     open(options.options([("search_path", schema)]), clock).await
 }
 
+/// Session settings of every pooled connection: no statement (or
+/// transaction left open) can hold a job's rows for minutes, and the server
+/// probes an idle connection so a vanished client's session, with its locks,
+/// is ended within about a minute instead of the kernel's two hours.
+pub const SESSION_SETTINGS: [(&str, &str); 5] = [
+    ("statement_timeout", "30s"),
+    ("idle_in_transaction_session_timeout", "60s"),
+    ("tcp_keepalives_idle", "30"),
+    ("tcp_keepalives_interval", "10"),
+    ("tcp_keepalives_count", "3"),
+];
+
 async fn open(options: PgConnectOptions, clock: Clock) -> Result<SqlStore> {
+    let options = options.options(SESSION_SETTINGS);
     let pool = PgPoolOptions::new()
         .max_connections(POOL_SIZE)
         .acquire_timeout(ACQUIRE_TIMEOUT)

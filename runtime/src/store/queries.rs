@@ -11,10 +11,12 @@ use crate::failure::Code;
 const JOB_COLS: &str = "id, queue, plugin, payload, idempotency_key, priority, run_at, state, \
     attempt, max_attempts, lease_owner, lease_until, heartbeat_at, last_error_code, \
     last_error_message, {errors} AS errors, correlation_id, plugin_hash, plan, plan_hash, rescues, \
-    created_at, updated_at, finished_at, first_failed_at, last_failed_at";
+    created_at, updated_at, finished_at, first_failed_at, last_failed_at, deferred_since, \
+    interruptions";
 
 const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, attempt, \
-    lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at";
+    lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at, \
+    reached, in_doubt, first_sent_at";
 
 /// The fence of a batched job write against the row set `t`.
 const JOB_FENCE: &str = "jobs.id = t.id AND {no_index}jobs.state = 'running' \
@@ -66,6 +68,10 @@ pub(crate) struct Queries {
     pub jobs_replay: String,
     pub dead_plan: String,
     pub effects_in_doubt: String,
+    pub effects_unresolved: String,
+    pub effect_claim_fence: String,
+    pub effect_resolve_applied: String,
+    pub effect_resolve_not_applied: String,
     pub effects_drop_failed: String,
     pub plan_discard: String,
     pub job_cancel: String,
@@ -214,6 +220,8 @@ impl Queries {
             job_retry: x(&format!(
                 "UPDATE jobs SET state = 'retrying', run_at = {{now}} + t.delay_ms, \
                      attempt = {{greatest}}(jobs.attempt - t.refund, 0), lease_owner = NULL, \
+                     deferred_since = CASE WHEN t.refund = 1 \
+                         THEN COALESCE(jobs.deferred_since, {{now}}) ELSE NULL END, \
                      lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
                      {record}, updated_at = {{now}} \
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
@@ -244,7 +252,8 @@ impl Queries {
             )),
             job_release: x(&format!(
                 "UPDATE jobs SET state = 'available', run_at = {{now}}, lease_owner = NULL, \
-                     lease_until = NULL, updated_at = {{now}} \
+                     lease_until = NULL, attempt = {{greatest}}(jobs.attempt - 1, 0), \
+                     interruptions = jobs.interruptions + 1, updated_at = {{now}} \
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
                 rows = job_rows(&[]),
             )),
@@ -271,32 +280,60 @@ impl Queries {
                 ),
             )),
             plans_of_dead: x(&format!(
-                "SELECT plan FROM jobs WHERE state = 'dead' AND id IN ({ids})",
+                "SELECT id, plan FROM jobs WHERE state = 'dead' AND id IN ({ids})",
                 ids = (d.int_list)("$1"),
             )),
             // Effects of replayed plans that failed permanently may be tried
             // again: the operator fixed the cause. Their keys stay the same.
             effects_reset_failed: x(&format!(
                 "UPDATE effects SET status = 'retrying', updated_at = {{now}} \
-                 WHERE status = 'failed' AND key IN ({keys})",
+                 WHERE status = 'failed' AND in_doubt = 0 AND key IN ({keys})",
                 keys = (d.text_list)("$1"),
             )),
             jobs_replay: x(&format!(
                 "UPDATE jobs SET state = 'available', attempt = 0, run_at = {{now}}, \
                      finished_at = NULL, lease_owner = NULL, lease_until = NULL, \
+                     deferred_since = NULL, \
                      updated_at = {{now}} \
                  WHERE state = 'dead' AND id IN ({ids})",
                 ids = (d.int_list)("$1"),
             )),
             dead_plan: x("SELECT plan, payload FROM jobs WHERE id = $1 AND state = 'dead'"),
             // Ledger rows of a plan that may have reached the outside world:
-            // anything but a permanent failure, and a failure that is only
-            // permanent because idem would not retry an ambiguous call.
+            // anything but a permanent failure, and a row any try of which
+            // may have been carried out (sticky, whatever the last error).
             effects_in_doubt: x(&format!(
                 "SELECT count(*) FROM effects \
-                 WHERE (status <> 'failed' OR last_error_code = $2) AND key IN ({keys})",
+                 WHERE (status <> 'failed' OR reached = 1 OR in_doubt = 1) AND key IN ({keys})",
                 keys = (d.text_list)("$1"),
             )),
+            effects_unresolved: x(&format!(
+                "SELECT key FROM effects WHERE in_doubt = 1 AND key IN ({keys}) ORDER BY key",
+                keys = (d.text_list)("$1"),
+            )),
+            // Which claimers still hold their job at their attempt; on
+            // PostgreSQL the rows stay locked until the claims commit, so a
+            // rescue cannot slip in between.
+            effect_claim_fence: x(&format!(
+                "SELECT jobs.id, jobs.lease_owner, jobs.attempt FROM jobs, {rows} \
+                 WHERE jobs.id = t.job_id AND jobs.state = 'running' \
+                   AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt {{lock_jobs}}",
+                rows = (d.rows)(&[("job_id", Int), ("owner", Text), ("attempt", Int)]),
+            )),
+            effect_resolve_applied: x(
+                "UPDATE effects SET status = 'succeeded', result_ref = COALESCE($2, result_ref), \
+                     reached = 1, in_doubt = 0, lease_owner = NULL, lease_until = NULL, \
+                     updated_at = {now} \
+                 WHERE key = $1 AND in_doubt = 1",
+            ),
+            // The operator's word replaces every earlier try: nothing reached
+            // the provider, and a new dedupe window starts with the next try.
+            effect_resolve_not_applied: x(
+                "UPDATE effects SET status = 'retrying', reached = 0, in_doubt = 0, \
+                     first_sent_at = NULL, lease_owner = NULL, lease_until = NULL, \
+                     updated_at = {now} \
+                 WHERE key = $1 AND in_doubt = 1",
+            ),
             effects_drop_failed: x(&format!(
                 "DELETE FROM effects WHERE status = 'failed' AND job_id = $2 AND key IN ({keys})",
                 keys = (d.text_list)("$1"),
@@ -344,23 +381,30 @@ impl Queries {
             ),
             effect_insert: x(&format!(
                 "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
-                     lease_owner, lease_until, created_at, updated_at) \
+                     lease_owner, lease_until, created_at, updated_at, first_sent_at) \
                  SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'processing', 1, \
-                     t.owner, {{now}} + t.lease, {{now}}, {{now}} \
+                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}} \
                  FROM {rows} WHERE true ORDER BY t.ord \
                  ON CONFLICT (key) DO NOTHING RETURNING key, attempt",
                 rows = (d.rows)(&CLAIM_COLS),
             )),
             // A row left `processing` by an expired lease, or `retrying`,
-            // is taken over by a conditional update.
+            // is taken over by a conditional update. A `processing` row's
+            // holder vanished mid-call: its try may have reached the
+            // provider, so the row is marked reached, and the claimer learns
+            // from `reached` that the outcome so far is unknown.
             effect_take_over: x(&format!(
                 "UPDATE effects SET status = 'processing', attempt = effects.attempt + 1, \
-                     lease_owner = t.owner, lease_until = {{now}} + t.lease, updated_at = {{now}} \
+                     lease_owner = t.owner, lease_until = {{now}} + t.lease, updated_at = {{now}}, \
+                     reached = CASE WHEN effects.status = 'processing' THEN 1 \
+                         ELSE effects.reached END, \
+                     first_sent_at = COALESCE(effects.first_sent_at, {{now}}) \
                  FROM {rows} \
                  WHERE effects.key = t.key AND effects.fingerprint = t.fingerprint \
                    AND effects.status NOT IN ('succeeded', 'failed') \
                    AND (effects.status <> 'processing' OR COALESCE(effects.lease_until, 0) < {{now}}) \
-                 RETURNING effects.key, effects.attempt",
+                 RETURNING effects.key, effects.attempt, effects.reached, \
+                     {{now}} - effects.first_sent_at AS sent_ago",
                 rows = (d.rows)(&CLAIM_COLS),
             )),
             effect_read: x(&format!(
@@ -371,6 +415,7 @@ impl Queries {
             )),
             effect_succeed: x(&format!(
                 "UPDATE effects SET status = 'succeeded', result_ref = t.result_ref, \
+                     reached = 1, in_doubt = 0, \
                      lease_owner = NULL, lease_until = NULL, updated_at = {{now}} \
                  FROM {rows} WHERE {EFFECT_FENCE} RETURNING effects.key",
                 rows = effect_rows(&[("result_ref", Text)]),
@@ -378,9 +423,15 @@ impl Queries {
             effect_fail: x(&format!(
                 "UPDATE effects SET status = t.status, last_error_code = t.code, \
                      last_error_at = {{now}}, lease_owner = NULL, lease_until = NULL, \
+                     reached = {{greatest}}(effects.reached, t.reached), in_doubt = t.in_doubt, \
                      updated_at = {{now}} \
                  FROM {rows} WHERE {EFFECT_FENCE} RETURNING effects.key",
-                rows = effect_rows(&[("status", Text), ("code", Text)]),
+                rows = effect_rows(&[
+                    ("status", Text),
+                    ("code", Text),
+                    ("reached", Int),
+                    ("in_doubt", Int)
+                ]),
             )),
             effect_set_ref: x(&format!(
                 "UPDATE effects SET result_ref = t.result_ref FROM {rows} \
@@ -412,6 +463,7 @@ fn expand(d: &Dialect, now: &str, text: &str) -> String {
         .replace("{effect_cols}", EFFECT_COLS)
         .replace("{errors}", d.errors_col)
         .replace("{skip_locked}", d.skip_locked)
+        .replace("{lock_jobs}", d.lock_jobs)
         .replace("{greatest}", d.greatest)
         .replace("{no_index}", d.no_index)
         .replace("{now}", now)

@@ -28,6 +28,16 @@ where
         .map_err(|_| StoreError::Corrupt(format!("{column} = {value} is out of range")))
 }
 
+fn flag<'r, R>(row: &'r R, column: &'static str) -> Result<bool>
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let value: i64 = get(row, column)?;
+    Ok(value != 0)
+}
+
 /// Decodes a job row (columns named as in the schema, `errors` as text).
 pub(crate) fn job_from_row<'r, R>(row: &'r R) -> Result<Job>
 where
@@ -72,6 +82,8 @@ where
         finished_at_ms: get(row, "finished_at")?,
         first_failed_at_ms: get(row, "first_failed_at")?,
         last_failed_at_ms: get(row, "last_failed_at")?,
+        deferred_since_ms: get(row, "deferred_since")?,
+        interruptions: count(row, "interruptions")?,
     })
 }
 
@@ -101,6 +113,9 @@ where
         last_error_at_ms: get(row, "last_error_at")?,
         created_at_ms: get(row, "created_at")?,
         updated_at_ms: get(row, "updated_at")?,
+        reached: flag(row, "reached")?,
+        in_doubt: flag(row, "in_doubt")?,
+        first_sent_at_ms: get(row, "first_sent_at")?,
         key,
     })
 }

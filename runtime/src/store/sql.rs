@@ -10,7 +10,6 @@ use super::input::{self, Insertable, Slot};
 use super::queries::{Clock, Queries};
 use super::rows;
 use super::*;
-use crate::failure::Code;
 use sqlx::Row;
 use sqlx::postgres::PgPool;
 use sqlx::sqlite::SqlitePool;
@@ -474,6 +473,32 @@ impl Store for SqlStore {
             }
 
             let mut claims = plan.claims();
+            if !claims.is_empty() {
+                // A key is claimed only while its claimer still holds the job
+                // at its attempt: a worker that woke up after its job was
+                // rescued (or replayed with a new plan) claims nothing.
+                let held: Vec<(i64, String, i64)> = sqlx::query_as(&self.q.effect_claim_fence)
+                    .bind_rows(
+                        RowSet::new()
+                            .ints(claims.iter().map(|c| c.params.job_id.0))
+                            .texts(claims.iter().map(|c| c.params.worker.clone()))
+                            .ints(claims.iter().map(|c| i64::from(c.params.job_attempt))),
+                    )
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let held: HashSet<(i64, String, i64)> = held.into_iter().collect();
+                let (kept, lost): (Vec<_>, Vec<_>) = claims.into_iter().partition(|c| {
+                    held.contains(&(
+                        c.params.job_id.0,
+                        c.params.worker.clone(),
+                        i64::from(c.params.job_attempt),
+                    ))
+                });
+                for claim in lost {
+                    batch.answer(claim.index, Written::EffectClaim(EffectClaim::JobLost));
+                }
+                claims = kept;
+            }
             for _ in 0..CLAIM_ROUNDS {
                 if claims.is_empty() {
                     break;
@@ -488,20 +513,31 @@ impl Store for SqlStore {
                 let mut rest = Vec::new();
                 for claim in round {
                     match inserted.get(&claim.params.key) {
-                        Some(attempt) => batch.claimed(&claim, *attempt)?,
+                        Some(attempt) => batch.claimed(&claim, *attempt, None)?,
                         None => rest.push(claim),
                     }
                 }
                 if !rest.is_empty() {
-                    let taken: Vec<(String, i64)> = sqlx::query_as(&self.q.effect_take_over)
-                        .bind_rows(claim_row_set(&rest))
-                        .fetch_all(&mut *tx)
-                        .await?;
-                    let taken: HashMap<String, i64> = taken.into_iter().collect();
+                    let taken: Vec<(String, i64, i64, Option<i64>)> =
+                        sqlx::query_as(&self.q.effect_take_over)
+                            .bind_rows(claim_row_set(&rest))
+                            .fetch_all(&mut *tx)
+                            .await?;
+                    let taken: HashMap<String, (i64, Option<Duration>)> = taken
+                        .into_iter()
+                        .map(|(key, attempt, reached, sent_ago)| {
+                            let doubt = (reached != 0).then(|| {
+                                Duration::from_millis(
+                                    u64::try_from(sent_ago.unwrap_or(0)).unwrap_or(0),
+                                )
+                            });
+                            (key, (attempt, doubt))
+                        })
+                        .collect();
                     let mut unread = Vec::new();
                     for claim in rest {
                         match taken.get(&claim.params.key) {
-                            Some(attempt) => batch.claimed(&claim, *attempt)?,
+                            Some((attempt, doubt)) => batch.claimed(&claim, *attempt, *doubt)?,
                             None => unread.push(claim),
                         }
                     }
@@ -644,34 +680,81 @@ impl Store for SqlStore {
         Ok(ids)
     }
 
-    async fn job_replay(&self, ids: &[JobId]) -> Result<u64> {
+    async fn job_replay(&self, ids: &[JobId]) -> Result<Replayed> {
         if ids.is_empty() {
-            return Ok(0);
+            return Ok(Replayed::default());
         }
         let replayed = with_db!(self, |_read, write| {
             let mut tx = write.begin_write().await?;
-            let plans: Vec<Option<String>> = sqlx::query_scalar(&self.q.plans_of_dead)
+            let plans: Vec<(i64, Option<String>)> = sqlx::query_as(&self.q.plans_of_dead)
                 .bind(ids_json(ids))
                 .fetch_all(&mut *tx)
                 .await?;
-            let keys = input::plan_keys(plans.iter().flatten());
+            let mut report = Replayed::default();
+            let mut keys = Vec::new();
+            for (id, plan) in &plans {
+                let plan_keys = input::plan_keys(plan.iter());
+                let unresolved: Vec<String> = if plan_keys.is_empty() {
+                    Vec::new()
+                } else {
+                    sqlx::query_scalar(&self.q.effects_unresolved)
+                        .bind(strings_json(&plan_keys))
+                        .fetch_all(&mut *tx)
+                        .await?
+                };
+                match unresolved.into_iter().next() {
+                    // Sending it again could repeat it: the operator must
+                    // say first what happened.
+                    Some(key) => report.refused.push((JobId(*id), key)),
+                    None => {
+                        report.replayed.push(JobId(*id));
+                        keys.extend(plan_keys);
+                    }
+                }
+            }
             if !keys.is_empty() {
                 sqlx::query(&self.q.effects_reset_failed)
                     .bind(strings_json(&keys))
                     .execute(&mut *tx)
                     .await?;
             }
-            let result = sqlx::query(&self.q.jobs_replay)
-                .bind(ids_json(ids))
-                .execute(&mut *tx)
-                .await?;
+            if !report.replayed.is_empty() {
+                sqlx::query(&self.q.jobs_replay)
+                    .bind(ids_json(&report.replayed))
+                    .execute(&mut *tx)
+                    .await?;
+            }
             tx.commit().await?;
-            result.rows_affected()
+            report
         });
-        if replayed > 0 {
+        if !replayed.replayed.is_empty() {
             wake(&self.notify);
         }
+        let mut replayed = replayed;
+        replayed.replayed.sort_unstable();
+        replayed.refused.sort_unstable();
         Ok(replayed)
+    }
+
+    async fn effect_resolve(&self, key: &str, resolution: Resolution) -> Result<bool> {
+        with_db!(self, |_read, write| {
+            let result = match &resolution {
+                Resolution::Applied { result_ref } => {
+                    sqlx::query(&self.q.effect_resolve_applied)
+                        .bind(key)
+                        .bind(result_ref)
+                        .execute(write)
+                        .await?
+                }
+                Resolution::NotApplied => {
+                    sqlx::query(&self.q.effect_resolve_not_applied)
+                        .bind(key)
+                        .execute(write)
+                        .await?
+                }
+            };
+            Ok(result.rows_affected() > 0)
+        })
     }
 
     async fn job_discard_plan(&self, id: JobId) -> Result<bool> {
@@ -699,7 +782,6 @@ impl Store for SqlStore {
             if !keys.is_empty() {
                 let in_doubt: i64 = sqlx::query_scalar(&self.q.effects_in_doubt)
                     .bind(strings_json(&keys))
-                    .bind(Code::AmbiguousNotRetried.as_str())
                     .fetch_one(&mut *tx)
                     .await?;
                 if in_doubt > 0 {
@@ -1005,6 +1087,7 @@ struct EffectItem {
     result_ref: Option<String>,
     status: Option<EffectStatus>,
     code: Option<String>,
+    sent: Option<Sent>,
     child: Option<Insertable>,
 }
 
@@ -1057,14 +1140,20 @@ impl BatchPlan {
                         result_ref: None,
                         status: None,
                         code: None,
+                        sent: None,
                         child: None,
                     };
                     match change {
                         EffectChange::Succeed { result_ref } => item.result_ref = result_ref,
-                        EffectChange::Fail { status, error_code } => {
+                        EffectChange::Fail {
+                            status,
+                            error_code,
+                            sent,
+                        } => {
                             item.kind = EffectKind::Fail;
                             item.status = Some(status);
                             item.code = Some(error_code);
+                            item.sent = Some(sent);
                         }
                         EffectChange::SucceedWithChild { child } => {
                             item.kind = EffectKind::Child;
@@ -1262,7 +1351,18 @@ fn effect_row_set(kind: EffectKind, writes: &[EffectItem]) -> RowSet {
                     .iter()
                     .map(|w| w.status.map(|s| s.as_str().to_string())),
             )
-            .opt_texts(writes.iter().map(|w| w.code.clone())),
+            .opt_texts(writes.iter().map(|w| w.code.clone()))
+            .ints(writes.iter().map(|w| {
+                i64::from(matches!(
+                    w.sent,
+                    Some(Sent::MaybeApplied | Sent::Unresolved)
+                ))
+            }))
+            .ints(
+                writes
+                    .iter()
+                    .map(|w| i64::from(w.sent == Some(Sent::Unresolved))),
+            ),
     }
 }
 
@@ -1321,20 +1421,22 @@ impl Answers {
         }
     }
 
-    fn claimed(&mut self, claim: &ClaimItem, attempt: i64) -> Result<()> {
+    /// Answers a claim that took the key; `doubt` (how long ago the first
+    /// try was sent) when an earlier try may have been carried out.
+    fn claimed(&mut self, claim: &ClaimItem, attempt: i64, doubt: Option<Duration>) -> Result<()> {
         let attempt = u32::try_from(attempt).map_err(|_| {
             StoreError::Corrupt(format!("effect {:?}: attempt {attempt}", claim.params.key))
         })?;
-        self.answer(
-            claim.index,
-            Written::EffectClaim(EffectClaim::Claimed {
-                fence: EffectFence {
-                    key: claim.params.key.clone(),
-                    worker: claim.params.worker.clone(),
-                    attempt,
-                },
-            }),
-        );
+        let fence = EffectFence {
+            key: claim.params.key.clone(),
+            worker: claim.params.worker.clone(),
+            attempt,
+        };
+        let claimed = match doubt {
+            None => EffectClaim::Claimed { fence },
+            Some(sent_ago) => EffectClaim::InDoubt { fence, sent_ago },
+        };
+        self.answer(claim.index, Written::EffectClaim(claimed));
         Ok(())
     }
 

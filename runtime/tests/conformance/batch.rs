@@ -57,6 +57,7 @@ pub async fn batch_answers_each_write_in_order_some_fenced_out(store: Arc<dyn St
             provider: "email".into(),
             fingerprint: "fp".into(),
             worker: "w".into(),
+            job_attempt: claimed[3].attempt,
             lease: LONG,
         }),
         Write::Job {
@@ -121,19 +122,16 @@ pub async fn batch_answers_each_write_in_order_some_fenced_out(store: Arc<dyn St
     );
 
     // The same key twice in one batch: one claim wins, the other waits.
-    let key_writes = |owner: &str| {
+    let (holder_a, holder_b) = (hold(&store, "a").await, hold(&store, "b").await);
+    let key_writes = |holder: &Job| {
         Write::EffectClaim(idem::store::EffectClaimParams {
-            key: "batch:twice".into(),
-            job_id: claimed[3].id,
             plugin: "batch".into(),
-            provider: "email".into(),
             fingerprint: "fp".into(),
-            worker: owner.into(),
-            lease: LONG,
+            ..claim_by(holder, "batch:twice", LONG)
         })
     };
     let answers = store
-        .write_batch(vec![key_writes("a"), key_writes("b")])
+        .write_batch(vec![key_writes(&holder_a), key_writes(&holder_b)])
         .await
         .unwrap();
     let claimed_by: Vec<bool> = answers

@@ -1,7 +1,10 @@
 //! The dead-letter queue: what a dead job keeps, redaction, replay, filters.
 
 use super::*;
-use idem::store::{EffectSucceedParams, Fence, JobChange, JobFilter, JobState, SavePlanParams};
+use idem::store::{
+    EffectClaim, EffectFailParams, EffectStatus, EffectSucceedParams, Fence, JobChange, JobFilter,
+    JobState, Replayed, Resolution, SavePlanParams, Sent,
+};
 use sha2::{Digest, Sha256};
 
 pub async fn dead_keeps_metadata(store: Arc<dyn Store>) {
@@ -160,13 +163,16 @@ pub async fn replay_resets_attempts_keeps_key(store: Arc<dyn Store>) {
     .unwrap();
 
     // Only dead jobs are replayed.
-    assert_eq!(store.job_replay(&[]).await.unwrap(), 0);
+    assert_eq!(store.job_replay(&[]).await.unwrap(), Replayed::default());
     assert_eq!(
         store
             .job_replay(&[id, bystander, JobId(i64::MAX)])
             .await
             .unwrap(),
-        1
+        Replayed {
+            replayed: vec![id],
+            refused: vec![]
+        }
     );
     let replayed = get(&store, id).await;
     assert_eq!(replayed.state, JobState::Available);
@@ -179,7 +185,10 @@ pub async fn replay_resets_attempts_keeps_key(store: Arc<dyn Store>) {
         replayed.last_error_code.as_deref(),
         Some("missing_reference")
     );
-    assert_eq!(store.job_replay(&[id]).await.unwrap(), 0, "no longer dead");
+    assert!(
+        store.job_replay(&[id]).await.unwrap().replayed.is_empty(),
+        "no longer dead"
+    );
 
     // The key still deduplicates, and the job runs again from attempt 1.
     let again = store
@@ -252,7 +261,7 @@ pub async fn dead_jobs_filter_by_plugin_and_code(store: Arc<dyn Store>) {
         .job_list(dead(None, Some("invalid_recipient")))
         .await
         .unwrap());
-    assert_eq!(store.job_replay(&picked).await.unwrap(), 2);
+    assert_eq!(store.job_replay(&picked).await.unwrap().replayed.len(), 2);
     assert_eq!(
         ids(store.job_list(dead(None, None)).await.unwrap()),
         vec![b]
@@ -260,22 +269,13 @@ pub async fn dead_jobs_filter_by_plugin_and_code(store: Arc<dyn Store>) {
 }
 
 pub async fn discard_plan_only_when_no_effect_happened(store: Arc<dyn Store>) {
-    use idem::store::{EffectClaim, EffectClaimParams, EffectFailParams, EffectStatus};
+    use idem::store::{EffectClaim, EffectFailParams, EffectStatus, Sent};
     let plan = |keys: &[&str]| {
         let effects: Vec<_> = keys
             .iter()
             .map(|k| serde_json::json!({"provider": "email", "idempotency_key": k, "action": {"type": "custom", "body": ""}}))
             .collect();
         serde_json::to_string(&effects).unwrap()
-    };
-    let effect = |key: &str| EffectClaimParams {
-        key: key.into(),
-        job_id: JobId(1),
-        plugin: "p".into(),
-        provider: "email".into(),
-        fingerprint: "f".into(),
-        worker: "w".into(),
-        lease: LONG,
     };
     let fence_of = |claim: EffectClaim| match claim {
         EffectClaim::Claimed { fence } => fence,
@@ -292,12 +292,18 @@ pub async fn discard_plan_only_when_no_effect_happened(store: Arc<dyn Store>) {
         })
         .await
         .unwrap();
-    let f = fence_of(store.effect_claim(effect("a1")).await.unwrap());
+    let f = fence_of(
+        store
+            .effect_claim(claim_by(&claimed_a, "a1", LONG))
+            .await
+            .unwrap(),
+    );
     store
         .effect_set_failed(EffectFailParams {
             fence: f,
             status: EffectStatus::Failed,
             error_code: "invalid_recipient".into(),
+            sent: Sent::NotApplied,
         })
         .await
         .unwrap();
@@ -322,7 +328,12 @@ pub async fn discard_plan_only_when_no_effect_happened(store: Arc<dyn Store>) {
         })
         .await
         .unwrap();
-    let f = fence_of(store.effect_claim(effect("b1")).await.unwrap());
+    let f = fence_of(
+        store
+            .effect_claim(claim_by(&claimed_b, "b1", LONG))
+            .await
+            .unwrap(),
+    );
     store
         .effect_set_succeeded(EffectSucceedParams {
             fence: f.clone(),
@@ -355,4 +366,204 @@ pub async fn discard_plan_only_when_no_effect_happened(store: Arc<dyn Store>) {
         !store.job_discard_plan(live).await.unwrap(),
         "only dead jobs"
     );
+}
+
+/// A claimed job whose plan carries `keys`, dead-lettered after `tries`
+/// ran on its first key (each try: status, code, what it told about the
+/// provider).
+async fn dead_with_plan(
+    store: &Arc<dyn Store>,
+    keys: &[&str],
+    tries: &[(EffectStatus, &str, Sent)],
+) -> JobId {
+    let id = store.job_insert(job("p")).await.unwrap().id;
+    let held = claim_one(store, "w", LONG).await;
+    assert_eq!(held.id, id);
+    let effects: Vec<_> = keys
+        .iter()
+        .map(|k| serde_json::json!({"provider": "email", "idempotency_key": k, "action": {"type": "custom", "body": ""}}))
+        .collect();
+    store
+        .job_save_plan(SavePlanParams {
+            fence: held.fence(),
+            plan: serde_json::to_string(&effects).unwrap(),
+            plugin_hash: "h".into(),
+        })
+        .await
+        .unwrap();
+    for (status, code, sent) in tries {
+        let fence = match store
+            .effect_claim(claim_by(&held, keys[0], LONG))
+            .await
+            .unwrap()
+        {
+            EffectClaim::Claimed { fence } | EffectClaim::InDoubt { fence, .. } => fence,
+            other => panic!("expected a claim, got {other:?}"),
+        };
+        let failed = store
+            .effect_set_failed(EffectFailParams {
+                fence,
+                status: *status,
+                error_code: code.to_string(),
+                sent: *sent,
+            })
+            .await
+            .unwrap();
+        assert_eq!(failed, Fence::Applied);
+    }
+    dead_letter(
+        store,
+        DeadParams {
+            fence: held.fence(),
+            error: error(1, "permanent", "x"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
+    id
+}
+
+/// Claims the replayed job `id` for worker `w`, giving back whatever else
+/// that claim took.
+async fn hold_again(store: &Arc<dyn Store>, id: JobId) -> Job {
+    let jobs = store.job_claim(claim_params("w", 10, LONG)).await.unwrap();
+    let mut found = None;
+    for job in jobs {
+        if job.id == id {
+            found = Some(job);
+        } else {
+            store.job_release(&job.fence()).await.unwrap();
+        }
+    }
+    found.expect("the replayed job is claimable")
+}
+
+/// Window 3: replay refuses, per job and naming the key, a job whose plan
+/// holds an effect in doubt, until an operator resolves it.
+pub async fn replay_refuses_effects_in_doubt_until_resolved(store: Arc<dyn Store>) {
+    let unresolved = [(EffectStatus::Failed, "may_not_resend", Sent::Unresolved)];
+    let not_applied = dead_with_plan(&store, &["n1", "n2"], &unresolved).await;
+    let applied = dead_with_plan(&store, &["a1"], &unresolved).await;
+    let clean = dead_with_plan(
+        &store,
+        &["c1"],
+        &[(EffectStatus::Failed, "invalid_recipient", Sent::NotApplied)],
+    )
+    .await;
+    let row = store.effect_get("n1").await.unwrap().unwrap();
+    assert!(row.in_doubt && row.reached, "{row:?}");
+
+    let report = store
+        .job_replay(&[not_applied, applied, clean])
+        .await
+        .unwrap();
+    assert_eq!(
+        report,
+        Replayed {
+            replayed: vec![clean],
+            refused: vec![(not_applied, "n1".into()), (applied, "a1".into())],
+        }
+    );
+    assert_eq!(get(&store, not_applied).await.state, JobState::Dead);
+    assert_eq!(
+        store.effect_get("n1").await.unwrap().unwrap().status,
+        EffectStatus::Failed,
+        "a refused job's keys are left alone"
+    );
+    assert!(
+        !store
+            .effect_resolve("c1", Resolution::NotApplied)
+            .await
+            .unwrap(),
+        "not in doubt: nothing to resolve"
+    );
+
+    // Not applied: the replay sends it again, as a fresh try.
+    assert!(
+        store
+            .effect_resolve("n1", Resolution::NotApplied)
+            .await
+            .unwrap()
+    );
+    let row = store.effect_get("n1").await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.in_doubt, row.reached),
+        (EffectStatus::Retrying, false, false)
+    );
+    // Applied: the replay skips it, with the operator's reference.
+    let applied_as = Resolution::Applied {
+        result_ref: Some("msg-7".into()),
+    };
+    assert!(
+        store
+            .effect_resolve("a1", applied_as.clone())
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store.effect_resolve("a1", applied_as).await.unwrap(),
+        "resolved once"
+    );
+    let report = store.job_replay(&[not_applied, applied]).await.unwrap();
+    assert_eq!(report.replayed, [not_applied, applied]);
+    assert!(report.refused.is_empty());
+
+    let rerun = hold_again(&store, not_applied).await;
+    assert!(matches!(
+        store
+            .effect_claim(claim_by(&rerun, "n1", LONG))
+            .await
+            .unwrap(),
+        EffectClaim::Claimed { .. }
+    ));
+    let rerun = hold_again(&store, applied).await;
+    assert_eq!(
+        store
+            .effect_claim(claim_by(&rerun, "a1", LONG))
+            .await
+            .unwrap(),
+        EffectClaim::AlreadySucceeded {
+            result_ref: Some("msg-7".into())
+        }
+    );
+}
+
+/// Window 4: discard is judged from every try, not the last error: a key
+/// whose first try may have been carried out keeps its plan even when a
+/// later try was refused outright.
+pub async fn discard_plan_refused_once_any_try_reached(store: Arc<dyn Store>) {
+    let reached_then_rejected = dead_with_plan(
+        &store,
+        &["r1"],
+        &[
+            (
+                EffectStatus::Retrying,
+                "provider_timeout",
+                Sent::MaybeApplied,
+            ),
+            (EffectStatus::Failed, "provider_rejected", Sent::NotApplied),
+        ],
+    )
+    .await;
+    let row = store.effect_get("r1").await.unwrap().unwrap();
+    assert_eq!(row.last_error_code.as_deref(), Some("provider_rejected"));
+    assert!(row.reached);
+    assert!(!store.job_discard_plan(reached_then_rejected).await.unwrap());
+    assert!(get(&store, reached_then_rejected).await.plan.is_some());
+
+    let only_rejected = dead_with_plan(
+        &store,
+        &["x1"],
+        &[
+            (
+                EffectStatus::Retrying,
+                "provider_unavailable",
+                Sent::NotApplied,
+            ),
+            (EffectStatus::Failed, "provider_rejected", Sent::NotApplied),
+        ],
+    )
+    .await;
+    assert!(store.job_discard_plan(only_rejected).await.unwrap());
 }

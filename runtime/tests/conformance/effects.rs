@@ -4,20 +4,24 @@
 use super::*;
 use idem::store::{
     ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectPruneParams,
-    EffectStatus, EffectSucceedParams, Enqueued, Fence, JobFilter, JobState, SavePlanParams,
+    EffectStatus, EffectSucceedParams, Enqueued, Fence, JobFilter, JobState, SavePlanParams, Sent,
     StoreError,
 };
 
-fn claim(key: &str, worker: &str, lease: Duration) -> EffectClaimParams {
-    EffectClaimParams {
-        key: key.into(),
-        job_id: JobId(1),
-        plugin: "send_invoice_email".into(),
-        provider: "email".into(),
-        fingerprint: "fp-1".into(),
-        worker: worker.into(),
-        lease,
+/// Claim params for `key` by `worker`, which first claims a job of its own.
+async fn claim(
+    store: &Arc<dyn Store>,
+    key: &str,
+    worker: &str,
+    lease: Duration,
+) -> EffectClaimParams {
+    if worker.is_empty() {
+        return EffectClaimParams {
+            worker: String::new(),
+            ..claim_by(&hold(store, "w").await, key, lease)
+        };
     }
+    claim_by(&hold(store, worker).await, key, lease)
 }
 
 async fn claimed(store: &Arc<dyn Store>, params: EffectClaimParams) -> EffectFence {
@@ -27,8 +31,23 @@ async fn claimed(store: &Arc<dyn Store>, params: EffectClaimParams) -> EffectFen
     }
 }
 
+/// A claim that took over a key whose earlier try may have been carried out.
+async fn claimed_in_doubt(
+    store: &Arc<dyn Store>,
+    params: EffectClaimParams,
+) -> (EffectFence, Duration) {
+    match store.effect_claim(params).await.unwrap() {
+        EffectClaim::InDoubt { fence, sent_ago } => (fence, sent_ago),
+        other => panic!("expected a claim in doubt, got {other:?}"),
+    }
+}
+
 pub async fn effect_claim_then_already_succeeded(store: Arc<dyn Store>) {
-    let fence = claimed(&store, claim("invoice:1:email:v1", "w1", LONG)).await;
+    let fence = claimed(
+        &store,
+        claim(&store, "invoice:1:email:v1", "w1", LONG).await,
+    )
+    .await;
     assert_eq!(
         fence,
         EffectFence {
@@ -80,7 +99,7 @@ pub async fn effect_claim_then_already_succeeded(store: Arc<dyn Store>) {
     for worker in ["w1", "w2"] {
         assert_eq!(
             store
-                .effect_claim(claim("invoice:1:email:v1", worker, LONG))
+                .effect_claim(claim(&store, "invoice:1:email:v1", worker, LONG).await)
                 .await
                 .unwrap(),
             EffectClaim::AlreadySucceeded {
@@ -111,18 +130,25 @@ pub async fn effect_claim_then_already_succeeded(store: Arc<dyn Store>) {
     assert!(store.effect_get("never").await.unwrap().is_none());
 
     let invalid = store
-        .effect_claim(claim("bad\nkey", "w", LONG))
+        .effect_claim(claim(&store, "bad\nkey", "w", LONG).await)
         .await
         .unwrap_err();
     assert!(matches!(invalid, StoreError::Invalid(_)));
-    let no_worker = store.effect_claim(claim("k", "", LONG)).await.unwrap_err();
+    let no_worker = store
+        .effect_claim(claim(&store, "k", "", LONG).await)
+        .await
+        .unwrap_err();
     assert!(matches!(no_worker, StoreError::Invalid(_)));
 }
 
 pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
-    let a = claimed(&store, claim("k", "a", SHORT)).await;
+    let a = claimed(&store, claim(&store, "k", "a", SHORT).await).await;
     advance(&store, Duration::from_secs(10)).await;
-    match store.effect_claim(claim("k", "b", LONG)).await.unwrap() {
+    match store
+        .effect_claim(claim(&store, "k", "b", LONG).await)
+        .await
+        .unwrap()
+    {
         EffectClaim::LeasedByOther { remaining } => assert!(
             remaining > Duration::from_secs(19) && remaining <= Duration::from_secs(20),
             "20 s of the lease are left by the store's clock, got {remaining:?}"
@@ -130,11 +156,20 @@ pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
         other => panic!("expected leased by other, got {other:?}"),
     }
     advance(&store, PAST_SHORT - Duration::from_secs(10)).await;
-    let b = claimed(&store, claim("k", "b", LONG)).await;
+    // A's try may have reached the provider: B holds the key, in doubt.
+    let (b, sent_ago) = claimed_in_doubt(&store, claim(&store, "k", "b", LONG).await).await;
+    assert!(
+        sent_ago >= PAST_SHORT && sent_ago < PAST_SHORT + Duration::from_secs(5),
+        "first sent {sent_ago:?} ago by the store's clock"
+    );
     assert_eq!(b.attempt, 2);
     let row = store.effect_get("k").await.unwrap().unwrap();
     assert_eq!(row.lease_owner.as_deref(), Some("b"));
     assert_eq!(row.attempt, 2);
+    assert!(
+        row.reached,
+        "a takeover of a key in flight marks it reached"
+    );
 
     // A is still alive: its finishing writes are fenced out.
     assert_eq!(
@@ -153,6 +188,7 @@ pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
                 fence: a.clone(),
                 status: EffectStatus::Failed,
                 error_code: "x".into(),
+                sent: Sent::NotApplied,
             })
             .await
             .unwrap(),
@@ -174,7 +210,10 @@ pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
         Fence::Applied
     );
     assert_eq!(
-        store.effect_claim(claim("k", "a", LONG)).await.unwrap(),
+        store
+            .effect_claim(claim(&store, "k", "a", LONG).await)
+            .await
+            .unwrap(),
         EffectClaim::AlreadySucceeded {
             result_ref: Some("ref-b".into())
         }
@@ -182,10 +221,10 @@ pub async fn effect_lease_blocks_until_expiry(store: Arc<dyn Store>) {
 }
 
 pub async fn effect_fingerprint_conflict(store: Arc<dyn Store>) {
-    let fence = claimed(&store, claim("k", "a", LONG)).await;
+    let fence = claimed(&store, claim(&store, "k", "a", LONG).await).await;
     let other = EffectClaimParams {
         fingerprint: "fp-2".into(),
-        ..claim("k", "b", LONG)
+        ..claim(&store, "k", "b", LONG).await
     };
     let conflict = EffectClaim::Conflict {
         existing_fingerprint: "fp-1".into(),
@@ -200,6 +239,7 @@ pub async fn effect_fingerprint_conflict(store: Arc<dyn Store>) {
             fence: fence.clone(),
             status: EffectStatus::Retrying,
             error_code: "provider_5xx".into(),
+            sent: Sent::NotApplied,
         })
         .await
         .unwrap();
@@ -208,7 +248,7 @@ pub async fn effect_fingerprint_conflict(store: Arc<dyn Store>) {
         conflict,
         "while retrying"
     );
-    let fence = claimed(&store, claim("k", "a", LONG)).await;
+    let fence = claimed(&store, claim(&store, "k", "a", LONG).await).await;
     store
         .effect_set_succeeded(EffectSucceedParams {
             fence: fence.clone(),
@@ -222,7 +262,10 @@ pub async fn effect_fingerprint_conflict(store: Arc<dyn Store>) {
         "after success"
     );
     assert_eq!(
-        store.effect_claim(claim("k", "b", LONG)).await.unwrap(),
+        store
+            .effect_claim(claim(&store, "k", "b", LONG).await)
+            .await
+            .unwrap(),
         EffectClaim::AlreadySucceeded { result_ref: None }
     );
 }
@@ -237,11 +280,9 @@ pub async fn effect_claim_race(store: Arc<dyn Store>) {
                 let barrier = barrier.clone();
                 let key = key.clone();
                 tokio::spawn(async move {
+                    let params = claim(&store, &key, &format!("w{w}"), LONG).await;
                     barrier.wait().await;
-                    store
-                        .effect_claim(claim(&key, &format!("w{w}"), LONG))
-                        .await
-                        .unwrap()
+                    store.effect_claim(params).await.unwrap()
                 })
             })
             .collect();
@@ -266,12 +307,13 @@ pub async fn effect_claim_race(store: Arc<dyn Store>) {
 }
 
 pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
-    let first = claimed(&store, claim("k", "a", LONG)).await;
+    let first = claimed(&store, claim(&store, "k", "a", LONG).await).await;
     let invalid = store
         .effect_set_failed(EffectFailParams {
             fence: first.clone(),
             status: EffectStatus::Succeeded,
             error_code: "x".into(),
+            sent: Sent::NotApplied,
         })
         .await
         .unwrap_err();
@@ -282,6 +324,7 @@ pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
                 fence: first.clone(),
                 status: EffectStatus::Retrying,
                 error_code: "provider_timeout".into(),
+                sent: Sent::NotApplied,
             })
             .await
             .unwrap(),
@@ -295,13 +338,14 @@ pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
     assert_eq!(row.lease_until_ms, None);
 
     // Retrying: claimable at once, by anyone, as the next attempt.
-    let second = claimed(&store, claim("k", "b", LONG)).await;
+    let second = claimed(&store, claim(&store, "k", "b", LONG).await).await;
     assert_eq!(second.attempt, 2);
     store
         .effect_set_failed(EffectFailParams {
             fence: second.clone(),
             status: EffectStatus::Failed,
             error_code: "invalid_recipient".into(),
+            sent: Sent::NotApplied,
         })
         .await
         .unwrap();
@@ -312,7 +356,10 @@ pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
     // Failed: no job claims it again (a second job with the same key fails
     // the same way) until the dead job carrying it is replayed.
     assert_eq!(
-        store.effect_claim(claim("k", "c", LONG)).await.unwrap(),
+        store
+            .effect_claim(claim(&store, "k", "c", LONG).await)
+            .await
+            .unwrap(),
         EffectClaim::Failed {
             code: "invalid_recipient".into()
         }
@@ -340,12 +387,12 @@ pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
     )
     .await
     .unwrap();
-    assert_eq!(store.job_replay(&[id]).await.unwrap(), 1);
+    assert_eq!(store.job_replay(&[id]).await.unwrap().replayed, [id]);
     assert_eq!(
         store.effect_get("k").await.unwrap().unwrap().status,
         EffectStatus::Retrying
     );
-    let third = claimed(&store, claim("k", "c", LONG)).await;
+    let third = claimed(&store, claim(&store, "k", "c", LONG).await).await;
     assert_eq!(third.attempt, 3);
     assert_eq!(
         store
@@ -353,6 +400,7 @@ pub async fn effect_failure_allows_reclaim(store: Arc<dyn Store>) {
                 fence: second,
                 status: EffectStatus::Retrying,
                 error_code: "late".into(),
+                sent: Sent::NotApplied,
             })
             .await
             .unwrap(),
@@ -378,7 +426,7 @@ async fn children(store: &Arc<dyn Store>) -> Vec<idem::store::Job> {
 }
 
 pub async fn effect_child_in_transaction(store: Arc<dyn Store>) {
-    let fence = claimed(&store, claim("order:7:invoice", "w", LONG)).await;
+    let fence = claimed(&store, claim(&store, "order:7:invoice", "w", LONG).await).await;
     let (outcome, enqueued) = store
         .effect_succeed_with_child(ChildParams {
             fence: fence.clone(),
@@ -411,7 +459,7 @@ pub async fn effect_child_in_transaction(store: Arc<dyn Store>) {
     assert_eq!(children(&store).await.len(), 1);
     assert_eq!(
         store
-            .effect_claim(claim("order:7:invoice", "w2", LONG))
+            .effect_claim(claim(&store, "order:7:invoice", "w2", LONG).await)
             .await
             .unwrap(),
         EffectClaim::AlreadySucceeded {
@@ -421,9 +469,10 @@ pub async fn effect_child_in_transaction(store: Arc<dyn Store>) {
 }
 
 pub async fn effect_child_fenced_out(store: Arc<dyn Store>) {
-    let stale = claimed(&store, claim("order:8:invoice", "a", SHORT)).await;
+    let stale = claimed(&store, claim(&store, "order:8:invoice", "a", SHORT).await).await;
     advance(&store, PAST_SHORT).await;
-    let current = claimed(&store, claim("order:8:invoice", "b", LONG)).await;
+    let (current, _) =
+        claimed_in_doubt(&store, claim(&store, "order:8:invoice", "b", LONG).await).await;
 
     let (outcome, enqueued) = store
         .effect_succeed_with_child(ChildParams {
@@ -480,7 +529,7 @@ pub async fn effect_child_fenced_out(store: Arc<dyn Store>) {
 
 pub async fn effect_child_existing_key(store: Arc<dyn Store>) {
     let existing = store.job_insert(child("order:9:invoice")).await.unwrap();
-    let fence = claimed(&store, claim("order:9:invoice", "w", LONG)).await;
+    let fence = claimed(&store, claim(&store, "order:9:invoice", "w", LONG).await).await;
     let (outcome, enqueued) = store
         .effect_succeed_with_child(ChildParams {
             fence: fence.clone(),
@@ -509,27 +558,27 @@ pub async fn effect_child_existing_key(store: Arc<dyn Store>) {
 }
 
 pub async fn effect_list_by_job(store: Arc<dyn Store>) {
-    let for_job = |key: &str, job: i64| EffectClaimParams {
-        job_id: JobId(job),
-        ..claim(key, "w", LONG)
-    };
-    claimed(&store, for_job("a:1", 10)).await;
-    claimed(&store, for_job("a:2", 10)).await;
-    claimed(&store, for_job("b:1", 11)).await;
+    let first = hold(&store, "w").await;
+    let second = hold(&store, "w").await;
+    claimed(&store, claim_by(&first, "a:1", LONG)).await;
+    claimed(&store, claim_by(&first, "a:2", LONG)).await;
+    claimed(&store, claim_by(&second, "b:1", LONG)).await;
     let keys: Vec<String> = store
-        .effect_list(JobId(10))
+        .effect_list(first.id)
         .await
         .unwrap()
         .into_iter()
         .map(|e| e.key)
         .collect();
     assert_eq!(keys, ["a:1", "a:2"]);
-    assert_eq!(store.effect_list(JobId(11)).await.unwrap().len(), 1);
-    assert!(store.effect_list(JobId(12)).await.unwrap().is_empty());
+    assert_eq!(store.effect_list(second.id).await.unwrap().len(), 1);
+    assert!(store.effect_list(JobId(i64::MAX)).await.unwrap().is_empty());
 }
 
 pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>) {
-    let done = claimed(&store, claim("old-done", "a", LONG)).await;
+    // The keys' jobs succeed: only keys of unfinished jobs are kept.
+    let holder = hold(&store, "a").await;
+    let done = claimed(&store, claim_by(&holder, "old-done", LONG)).await;
     store
         .effect_set_succeeded(EffectSucceedParams {
             fence: done.clone(),
@@ -537,9 +586,13 @@ pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>)
         })
         .await
         .unwrap();
-    claimed(&store, claim("old-in-flight", "a", LONG)).await;
+    claimed(&store, claim_by(&holder, "old-in-flight", LONG)).await;
     advance(&store, Duration::from_secs(50)).await;
-    let recent = claimed(&store, claim("recent", "a", LONG)).await;
+    let recent = claimed(&store, claim_by(&holder, "recent", LONG)).await;
+    assert_eq!(
+        succeed(&store, &holder.fence()).await.unwrap(),
+        Fence::Applied
+    );
     store
         .effect_set_succeeded(EffectSucceedParams {
             fence: recent.clone(),
@@ -567,9 +620,8 @@ pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>)
     // A key of a job that is not done (here: dead, waiting for a replay) is kept.
     let id = store.job_insert(job("p")).await.unwrap().id;
     let held = claim_one(&store, "w", LONG).await;
-    let mut params = claim("dead-job-key", "a", LONG);
-    params.job_id = id;
-    let f = claimed(&store, params).await;
+    assert_eq!(held.id, id);
+    let f = claimed(&store, claim_by(&held, "dead-job-key", LONG)).await;
     store
         .effect_set_succeeded(EffectSucceedParams {
             fence: f.clone(),
@@ -590,4 +642,96 @@ pub async fn effect_prune_keeps_recent_and_in_flight_rows(store: Arc<dyn Store>)
     advance(&store, Duration::from_secs(50)).await;
     store.effect_delete_finished(cutoff(100)).await.unwrap();
     assert!(store.effect_get("dead-job-key").await.unwrap().is_some());
+}
+
+/// Window 2: a key whose earlier try ended ambiguously is claimed in doubt,
+/// with the time since it was first sent (so the executor can hold it
+/// against the provider's dedupe window); a try that reached nothing is not.
+pub async fn effect_in_doubt_after_an_ambiguous_try(store: Arc<dyn Store>) {
+    let fail = |fence: EffectFence, sent: Sent| EffectFailParams {
+        fence,
+        status: EffectStatus::Retrying,
+        error_code: "provider_timeout".into(),
+        sent,
+    };
+    let first = claimed(&store, claim(&store, "k", "a", LONG).await).await;
+    store
+        .effect_set_failed(fail(first, Sent::NotApplied))
+        .await
+        .unwrap();
+    let second = claimed(&store, claim(&store, "k", "b", LONG).await).await;
+    assert!(!store.effect_get("k").await.unwrap().unwrap().reached);
+    store
+        .effect_set_failed(fail(second, Sent::MaybeApplied))
+        .await
+        .unwrap();
+    let row = store.effect_get("k").await.unwrap().unwrap();
+    assert!(row.reached && !row.in_doubt, "{row:?}");
+
+    advance(&store, Duration::from_secs(3600)).await;
+    let (third, sent_ago) = claimed_in_doubt(&store, claim(&store, "k", "c", LONG).await).await;
+    assert!(
+        sent_ago >= Duration::from_secs(3600) && sent_ago < Duration::from_secs(3660),
+        "counted from the first try: {sent_ago:?}"
+    );
+    // A later try that reached nothing does not clear the mark.
+    store
+        .effect_set_failed(fail(third, Sent::NotApplied))
+        .await
+        .unwrap();
+    assert!(
+        store.effect_get("k").await.unwrap().unwrap().reached,
+        "sticky"
+    );
+    claimed_in_doubt(&store, claim(&store, "k", "d", LONG).await).await;
+}
+
+/// Window 5: a worker claims a key only while it holds the key's job at its
+/// attempt; one that woke up after its job was rescued claims nothing.
+pub async fn effect_claim_fenced_by_the_job_lease(store: Arc<dyn Store>) {
+    let id = store.job_insert(job("p")).await.unwrap().id;
+    let stale = claim_one(&store, "a", SHORT).await;
+    advance(&store, PAST_SHORT).await;
+    assert_eq!(store.job_rescue_expired(10).await.unwrap(), vec![id]);
+    assert_eq!(
+        store
+            .effect_claim(claim_by(&stale, "k", LONG))
+            .await
+            .unwrap(),
+        EffectClaim::JobLost,
+        "rescued: the old holder claims nothing"
+    );
+    assert!(store.effect_get("k").await.unwrap().is_none());
+
+    // The same worker at a later attempt: the old attempt is still fenced out.
+    let current = claim_one(&store, "a", LONG).await;
+    assert_eq!((current.id, current.attempt), (id, 2));
+    assert_eq!(
+        store
+            .effect_claim(claim_by(&stale, "k", LONG))
+            .await
+            .unwrap(),
+        EffectClaim::JobLost
+    );
+    claimed(&store, claim_by(&current, "k", LONG)).await;
+
+    // Dead-lettered: no claim either, not even for a key that is free.
+    dead_letter(
+        &store,
+        DeadParams {
+            fence: current.fence(),
+            error: error(2, "permanent", "x"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        store
+            .effect_claim(claim_by(&current, "k2", LONG))
+            .await
+            .unwrap(),
+        EffectClaim::JobLost
+    );
+    assert!(store.effect_get("k2").await.unwrap().is_none());
 }

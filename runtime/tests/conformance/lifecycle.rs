@@ -341,7 +341,8 @@ pub async fn release_at_shutdown(store: Arc<dyn Store>) {
     );
     let released = get(&store, id).await;
     assert_eq!(released.state, JobState::Available);
-    assert_eq!(released.attempt, 1, "attempt kept");
+    assert_eq!(released.attempt, 0, "a give-back uses up no attempt");
+    assert_eq!(released.interruptions, 1, "it is counted apart");
     assert_eq!(released.lease_owner, None);
     assert_eq!(released.lease_until_ms, None);
     assert!(released.run_at_ms >= claimed.run_at_ms);
@@ -351,7 +352,34 @@ pub async fn release_at_shutdown(store: Arc<dyn Store>) {
     );
     let again = claim_one(&store, "w2", LONG).await;
     assert_eq!(again.id, id);
-    assert_eq!(again.attempt, 2);
+    assert_eq!(again.attempt, 1);
+    assert_eq!(again.interruptions, 1);
+}
+
+/// Shutdowns can give a job back any number of times: the claim never hands
+/// out an attempt beyond `max_attempts`.
+pub async fn give_backs_never_exceed_max_attempts(store: Arc<dyn Store>) {
+    let id = store
+        .job_insert(NewJob {
+            max_attempts: 2,
+            ..job("rel")
+        })
+        .await
+        .unwrap()
+        .id;
+    for round in 1..=5 {
+        let claimed = claim_one(&store, "w", LONG).await;
+        assert_eq!(claimed.id, id);
+        assert!(
+            claimed.attempt <= claimed.max_attempts,
+            "round {round}: {claimed:?}"
+        );
+        assert_eq!(claimed.interruptions, round - 1);
+        assert_eq!(
+            store.job_release(&claimed.fence()).await.unwrap(),
+            Fence::Applied
+        );
+    }
 }
 
 pub async fn plan_saved_once(store: Arc<dyn Store>) {

@@ -24,8 +24,8 @@ pub mod lifecycle;
 use futures::future::BoxFuture;
 use idem::failure::ErrorClass;
 use idem::store::{
-    ClaimParams, ErrorRecord, Fence, Job, JobChange, JobFence, JobId, NewJob, Result, Store, Write,
-    Written,
+    ClaimParams, EffectClaimParams, ErrorRecord, Fence, Job, JobChange, JobFence, JobId, NewJob,
+    Result, Store, Write, Written,
 };
 use std::any::Any;
 use std::future::Future;
@@ -97,6 +97,7 @@ macro_rules! conformance_suite {
             lifecycle::retrying_not_claimable_before_run_at,
             lifecycle::retrying_refunds_attempt,
             lifecycle::release_at_shutdown,
+            lifecycle::give_backs_never_exceed_max_attempts,
             lifecycle::plan_saved_once,
             lifecycle::error_history_is_bounded,
             lifecycle::cancel_only_waiting_jobs,
@@ -108,6 +109,8 @@ macro_rules! conformance_suite {
             dlq::replay_resets_attempts_keeps_key,
             dlq::dead_jobs_filter_by_plugin_and_code,
             dlq::discard_plan_only_when_no_effect_happened,
+            dlq::replay_refuses_effects_in_doubt_until_resolved,
+            dlq::discard_plan_refused_once_any_try_reached,
             effects::effect_claim_then_already_succeeded,
             effects::effect_lease_blocks_until_expiry,
             effects::effect_fingerprint_conflict,
@@ -118,6 +121,8 @@ macro_rules! conformance_suite {
             effects::effect_child_existing_key,
             effects::effect_list_by_job,
             effects::effect_prune_keeps_recent_and_in_flight_rows,
+            effects::effect_in_doubt_after_an_ambiguous_try,
+            effects::effect_claim_fenced_by_the_job_lease,
             batch::batch_answers_each_write_in_order_some_fenced_out,
             batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
         );
@@ -165,6 +170,42 @@ pub async fn claim_one(store: &Arc<dyn Store>, worker: &str, lease: Duration) ->
         .unwrap();
     assert_eq!(jobs.len(), 1, "expected one claimable job");
     jobs.remove(0)
+}
+
+/// A job of queue `holders` claimed by `worker`: effect keys are claimed
+/// only by a worker that holds the job carrying them.
+pub async fn hold(store: &Arc<dyn Store>, worker: &str) -> Job {
+    store
+        .job_insert(NewJob {
+            queue: "holders".into(),
+            ..job("holder")
+        })
+        .await
+        .unwrap();
+    let mut jobs = store
+        .job_claim(ClaimParams {
+            queue: "holders".into(),
+            ..claim_params(worker, 1, LONG)
+        })
+        .await
+        .unwrap();
+    assert_eq!(jobs.len(), 1, "expected one holder job");
+    jobs.remove(0)
+}
+
+/// Claim params for an effect key carried by `job`, claimed by the job's
+/// lease owner at its attempt.
+pub fn claim_by(job: &Job, key: &str, lease: Duration) -> EffectClaimParams {
+    EffectClaimParams {
+        key: key.into(),
+        job_id: job.id,
+        plugin: "send_invoice_email".into(),
+        provider: "email".into(),
+        fingerprint: "fp-1".into(),
+        worker: job.lease_owner.clone().unwrap_or_default(),
+        job_attempt: job.attempt,
+        lease,
+    }
 }
 
 /// Reads a job that must exist.

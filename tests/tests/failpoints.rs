@@ -1,0 +1,230 @@
+//! A test per failpoint: an `idem run` process (built with the `failpoints`
+//! feature) dies at the failpoint, another worker takes over once the lease
+//! has run out (the store's clock is moved, nothing sleeps for it), and the
+//! end state is checked at the provider server: the job finished once, its
+//! key applied exactly once, the lost attempt counted.
+
+use idem::store::{JobState, NewJob};
+use idem_provider_server::ProviderServerConfig;
+use idem_tests::{Backend, Harness, both_backends};
+use std::process::ExitStatus;
+use std::time::Duration;
+
+const KEY: &str = "send_invoice_email/invoice:42:email:v1";
+
+fn invoice(id: u64) -> NewJob {
+    NewJob::new(
+        "send_invoice_email",
+        format!(r#"{{"invoice_id": {id}, "recipient": "ana@example.com"}}"#).into_bytes(),
+    )
+}
+
+/// Starts `idem run --exit-when-drained` on the harness with `failpoints`
+/// armed (`IDEM_FAILPOINTS`).
+fn start(h: &Harness, config: &std::path::Path, failpoints: &str) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_idem-test"))
+        .args(["--config"])
+        .arg(config)
+        .args(["run", "--exit-when-drained", "--summary", "false"])
+        .env("IDEM_FAILPOINTS", failpoints)
+        .env("IDEM_LOG", "warn")
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-failpoint-test-cache"),
+        )
+        .env_remove("IDEM_DATABASE_URL")
+        .env_remove("IDEM_CONFIG")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("start idem run ({}): {e}", h.url))
+}
+
+/// Waits for the process to die at its failpoint.
+async fn died(mut child: tokio::process::Child) -> ExitStatus {
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("the process reaches its failpoint within 60 s")
+        .expect("wait for idem run");
+    assert!(!status.success(), "it died at the failpoint: {status:?}");
+    status
+}
+
+/// Another worker takes over: the lease has run out by the store's clock.
+async fn take_over(h: &Harness) -> idem::queue::stats::StatsSnapshot {
+    h.store
+        .clock_advance(Duration::from_secs(600))
+        .await
+        .unwrap();
+    h.store.job_rescue_expired(100).await.unwrap();
+    h.drain().await
+}
+
+/// The job finished once, on its second attempt (the first was lost).
+async fn finished_once(h: &Harness, id: idem::store::JobId) {
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    assert_eq!(job.attempt, 2, "the lost attempt is counted");
+    assert_eq!(job.rescues, 1);
+    assert_eq!(h.provider.applied(KEY), 1, "applied exactly once");
+}
+
+async fn dies_at(h: &Harness, failpoint: &str) -> idem::store::JobId {
+    let id = h.store.job_insert(invoice(42)).await.unwrap().id;
+    let config = h.config_file(Duration::from_secs(5));
+    died(start(h, config.path(), &format!("{failpoint}=abort"))).await;
+    id
+}
+
+async fn after_plugin_call(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = dies_at(&h, "after_plugin_call").await;
+    let dead_before = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(dead_before.plan, None, "died before the plan was stored");
+    assert_eq!(h.provider.requests(KEY), 0);
+    let stats = take_over(&h).await;
+    finished_once(&h, id).await;
+    assert_eq!(stats.plugin_calls, 1, "the plugin is asked again");
+    assert_eq!(h.provider.requests(KEY), 1);
+}
+
+async fn after_plan_stored(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = dies_at(&h, "after_plan_stored").await;
+    assert!(h.store.job_get(id).await.unwrap().unwrap().plan.is_some());
+    assert_eq!(h.provider.requests(KEY), 0);
+    let stats = take_over(&h).await;
+    finished_once(&h, id).await;
+    assert_eq!(stats.plans_reused, 1, "the stored plan is carried out");
+    assert_eq!(stats.plugin_calls, 0);
+    assert_eq!(h.provider.requests(KEY), 1);
+}
+
+async fn after_key_claimed(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = dies_at(&h, "after_key_claimed").await;
+    let key = h.store.effect_get(KEY).await.unwrap().unwrap();
+    assert_eq!(key.status, idem::store::EffectStatus::Processing);
+    assert_eq!(h.provider.requests(KEY), 0, "died before sending");
+    take_over(&h).await;
+    finished_once(&h, id).await;
+    // The takeover cannot know nothing was sent: in doubt, re-sent with the
+    // same key to a provider that dedupes.
+    assert_eq!(h.provider.requests(KEY), 1);
+    assert!(h.store.effect_get(KEY).await.unwrap().unwrap().reached);
+}
+
+async fn after_provider_call(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = dies_at(&h, "after_provider_call").await;
+    assert_eq!(h.provider.applied(KEY), 1, "the provider did it");
+    take_over(&h).await;
+    finished_once(&h, id).await;
+    assert_eq!(
+        h.provider.requests(KEY),
+        2,
+        "sent again with the same key, deduplicated"
+    );
+}
+
+async fn after_key_marked(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = dies_at(&h, "after_key_marked").await;
+    assert_eq!(
+        h.store.effect_get(KEY).await.unwrap().unwrap().status,
+        idem::store::EffectStatus::Succeeded
+    );
+    let stats = take_over(&h).await;
+    finished_once(&h, id).await;
+    assert_eq!(stats.idempotency_hits, 1, "the key is found done");
+    assert_eq!(h.provider.requests(KEY), 1);
+}
+
+async fn in_heartbeat(backend: Backend) {
+    // A slow provider keeps the job running past a third of its lease: the
+    // first heartbeat comes while the call is in flight, and the process dies.
+    let mut h = Harness::with_provider(
+        backend,
+        ProviderServerConfig {
+            processing_delay: Duration::from_millis(2500),
+            ..ProviderServerConfig::default()
+        },
+    )
+    .await;
+    h.provider_timeout = Duration::from_secs(10);
+    let id = h.store.job_insert(invoice(42)).await.unwrap().id;
+    let config = h.config_file(Duration::from_millis(1500));
+    died(start(&h, config.path(), "in_heartbeat=abort")).await;
+    // Usually during the call; on a slow machine the heartbeat may come first.
+    assert!(h.provider.requests(KEY) <= 1);
+    take_over(&h).await;
+    finished_once(&h, id).await;
+}
+
+async fn before_release(backend: Backend) {
+    // One job in a slow call, one claimed ahead in the buffer; a shutdown
+    // gives the buffered one back, and the process dies right before.
+    let mut h = Harness::with_provider(
+        backend,
+        ProviderServerConfig {
+            processing_delay: Duration::from_millis(1500),
+            ..ProviderServerConfig::default()
+        },
+    )
+    .await;
+    h.provider_timeout = Duration::from_secs(10);
+    let first = h.store.job_insert(invoice(42)).await.unwrap().id;
+    let second = h.store.job_insert(invoice(43)).await.unwrap().id;
+    let config = h.config_file(Duration::from_secs(5));
+    let text = std::fs::read_to_string(config.path())
+        .unwrap()
+        .replace("default = 2", "default = 1");
+    std::fs::write(config.path(), text).unwrap();
+    let child = start(&h, config.path(), "before_release=abort");
+    let pid = child.id().expect("running");
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while h.provider.requests(KEY)
+            + h.provider
+                .requests("send_invoice_email/invoice:43:email:v1")
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a call is in flight");
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    died(child).await;
+    let held = h
+        .store
+        .job_list(idem::store::JobFilter {
+            states: vec![JobState::Running],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(!held.is_empty(), "a lease was left behind: {held:?}");
+    take_over(&h).await;
+    for (id, key) in [
+        (first, KEY),
+        (second, "send_invoice_email/invoice:43:email:v1"),
+    ] {
+        let job = h.store.job_get(id).await.unwrap().unwrap();
+        assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+        assert!(job.attempt <= 2);
+        assert_eq!(h.provider.applied(key), 1, "{key} applied once");
+    }
+}
+
+both_backends!(
+    after_plugin_call,
+    after_plan_stored,
+    after_key_claimed,
+    after_provider_call,
+    after_key_marked,
+    in_heartbeat,
+    before_release,
+);
