@@ -929,7 +929,147 @@ async fn a_plugin_cannot_take_a_key_a_producer_will_use(backend: Backend) {
     );
 }
 
+/// Window 6, upgrades: a release before keys were scoped stored and sent a
+/// plugin's key as it was. A new job for the same business operation makes
+/// the same request under the scoped key; it must find the older effect
+/// (same plugin, same request) and not send it again.
+async fn an_effect_done_under_an_unscoped_key_by_an_older_release_is_not_sent_again(
+    backend: Backend,
+) {
+    let h = Harness::new(backend).await;
+    // What the plugin asks for invoice 58, as an older release stored it.
+    let plugin = h.registry.get("send_invoice_email").expect("plugin loaded");
+    let payload = br#"{"invoice_id": 58, "recipient": "ana@example.com"}"#.to_vec();
+    let plan = h
+        .registry
+        .sandbox()
+        .run(
+            &plugin.compiled,
+            &idem::sandbox::JobInput {
+                id: 1,
+                queue: "default".into(),
+                payload: payload.clone(),
+                attempt: 1,
+                max_attempts: 3,
+                idempotency_key: None,
+                correlation_id: "upgrade".into(),
+                enqueued_at_ms: 0,
+            },
+        )
+        .expect("the plugin plans one email");
+    let effect = plan.into_iter().next().expect("one effect");
+    let unscoped = effect.idempotency_key.clone();
+    assert!(!unscoped.starts_with("send_invoice_email/"));
+    let old = h
+        .store
+        .job_insert(NewJob {
+            queue: "blockers".into(),
+            ..invoice(4, "x@example.com")
+        })
+        .await
+        .unwrap()
+        .id;
+    let held = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "blockers".into(),
+            worker: "old-release".into(),
+            limit: 1,
+            lease: Duration::from_secs(60),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(held.id, old);
+    let fence = match h
+        .store
+        .effect_claim(EffectClaimParams {
+            key: unscoped.clone(),
+            job_id: old,
+            plugin: "send_invoice_email".into(),
+            provider: "email".into(),
+            fingerprint: legacy_fingerprint(&effect),
+            worker: held.lease_owner.clone().unwrap_or_default(),
+            job_attempt: held.attempt,
+            lease: Duration::from_secs(60),
+        })
+        .await
+        .unwrap()
+    {
+        EffectClaim::Claimed { fence } => fence,
+        other => panic!("{other:?}"),
+    };
+    h.store
+        .effect_set_succeeded(idem::store::EffectSucceedParams {
+            fence,
+            result_ref: Some("sent-by-the-older-release".into()),
+        })
+        .await
+        .unwrap();
+
+    let fresh = h
+        .store
+        .job_insert(NewJob::new("send_invoice_email", payload))
+        .await
+        .unwrap()
+        .id;
+    let stats = h.drain().await;
+    let job = h.store.job_get(fresh).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{:?}", job.last_error_code);
+    assert_eq!(stats.idempotency_hits, 1, "{stats:?}");
+    assert_eq!(
+        h.provider
+            .requests(&format!("send_invoice_email/{unscoped}")),
+        0
+    );
+    assert_eq!(h.provider.requests(&unscoped), 0);
+}
+
+/// Keys are scoped by the plugin's name, and a plugin's name is its file's
+/// name: one the key rules refuse fails its jobs at once, classified, before
+/// any plan is stored or any key claimed.
+async fn a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let name = "rechnung-\u{fc}";
+    std::fs::copy(
+        h.plugins_dir.path().join("send_invoice_email.wasm"),
+        h.plugins_dir.path().join(format!("{name}.wasm")),
+    )
+    .expect("copy plugin");
+    std::fs::copy(
+        h.plugins_dir.path().join("send_invoice_email.toml"),
+        h.plugins_dir.path().join(format!("{name}.toml")),
+    )
+    .expect("copy grants");
+    h.registry.refresh();
+    assert!(h.registry.get(name).is_some(), "the plugin loaded");
+    let id = h
+        .store
+        .job_insert(NewJob::new(
+            name,
+            br#"{"invoice_id": 59, "recipient": "ana@example.com"}"#.to_vec(),
+        ))
+        .await
+        .unwrap()
+        .id;
+    h.drain().await;
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(
+        job.last_error_code.as_deref(),
+        Some("invalid_idempotency_key")
+    );
+    assert_eq!(
+        job.attempt, 1,
+        "no lease ran out: the first attempt decided"
+    );
+    assert!(job.plan.is_none(), "no plan was stored");
+}
+
 both_backends!(
+    a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once,
+    an_effect_done_under_an_unscoped_key_by_an_older_release_is_not_sent_again,
     a_plugin_cannot_take_a_key_a_producer_will_use,
     a_key_claimed_under_the_old_fingerprint_is_still_the_same_request,
     a_vanished_holder_at_a_provider_without_dedupe_is_never_sent_twice,

@@ -186,6 +186,17 @@ impl Executor {
         effect: &Effect,
         abort: &CancellationToken,
     ) -> Result<(), PlanOutcome> {
+        let unscoped;
+        let effect = match self.key_of_an_older_release(job, effect).await? {
+            Some(key) => {
+                unscoped = Effect {
+                    idempotency_key: key,
+                    ..effect.clone()
+                };
+                &unscoped
+            }
+            None => effect,
+        };
         if effect.provider == JOBS_PROVIDER {
             // A child job is unique on its plugin and key: enqueuing it again
             // is always safe, so a claim in doubt goes on as any other.
@@ -273,6 +284,35 @@ impl Executor {
         failpoint::hit(Failpoint::AfterKeyMarked)
             .await
             .map_err(PlanOutcome::Store)
+    }
+
+    /// Releases before keys were scoped to their plugin stored the plugin's
+    /// key as it was (`KEY`, not `PLUGIN/KEY`), and the provider saw it so.
+    /// When the ledger holds this very request of this plugin under that
+    /// older key, the effect is carried out under it: a new job for the same
+    /// business operation must find the older job's effect, not send it again.
+    async fn key_of_an_older_release(
+        &self,
+        job: &Job,
+        effect: &Effect,
+    ) -> Result<Option<String>, PlanOutcome> {
+        let Some(bare) = effect
+            .idempotency_key
+            .strip_prefix(job.plugin.as_str())
+            .and_then(|rest| rest.strip_prefix('/'))
+        else {
+            return Ok(None);
+        };
+        let row = retry_transient(|| self.store.effect_get(bare))
+            .await
+            .map_err(PlanOutcome::Store)?;
+        Ok(row
+            .filter(|row| {
+                row.plugin == job.plugin
+                    && (row.fingerprint == fingerprint(effect)
+                        || row.fingerprint == legacy_fingerprint(effect))
+            })
+            .map(|row| row.key))
     }
 
     /// What the ledger already settled for this key (done, failed, or used

@@ -96,6 +96,15 @@ impl LeaseKeeper {
             .remove(&id);
     }
 
+    /// Stops holding this attempt of a job; a newer claim of the same job
+    /// (the job was retried and claimed again meanwhile) stays held.
+    pub fn release_fence(&self, fence: &JobFence) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if held.get(&fence.id).is_some_and(|h| h.fence == *fence) {
+            held.remove(&fence.id);
+        }
+    }
+
     /// Stops holding every job; returns their fences (to give them back).
     pub fn drain(&self) -> Vec<JobFence> {
         self.held

@@ -18,7 +18,7 @@ use crate::plugins::{LoadedPlugin, PluginRegistry};
 use crate::providers::Providers;
 use crate::sandbox::{JobInput, RunError};
 use crate::store::group_commit::{GroupCommit, GroupCommitSettings};
-use crate::store::{Fence, Job, SavePlanParams, Store, StoreError};
+use crate::store::{Fence, Job, JobFence, SavePlanParams, Store, StoreError};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -115,6 +115,8 @@ pub struct Worker {
     stats: Arc<WorkerStats>,
     keeper: Arc<LeaseKeeper>,
     on_start: std::sync::OnceLock<JobHook>,
+    /// Attempts whose outcome is being committed.
+    recording_now: std::sync::Mutex<Vec<JobFence>>,
 }
 
 /// Called with each job as a handler starts it.
@@ -144,10 +146,23 @@ impl Worker {
             registry,
             keeper: Arc::new(LeaseKeeper::new(settings.lease)),
             on_start: std::sync::OnceLock::new(),
+            recording_now: std::sync::Mutex::new(Vec::new()),
             settings,
             executor,
             stats,
         })
+    }
+
+    fn recording_started(&self, fence: &JobFence) {
+        if let Ok(mut now) = self.recording_now.lock() {
+            now.push(fence.clone());
+        }
+    }
+
+    fn recording_done(&self, fence: &JobFence) {
+        if let Ok(mut now) = self.recording_now.lock() {
+            now.retain(|f| f != fence);
+        }
     }
 
     /// The worker's counters.
@@ -267,6 +282,9 @@ impl Worker {
             })
             .await;
             handlers.abort_all();
+            // An aborted handler may still be finishing a poll that starts
+            // a recording: wait until none can.
+            while handlers.join_next().await.is_some() {}
         }
         // Outcomes still being committed land before any lease is given back
         // (a release first would fence the outcome out and run the job again).
@@ -277,10 +295,20 @@ impl Worker {
         {
             tracing::warn!("outcomes still not committed after 30 s: their leases will expire");
         }
-        // Whatever is still held (a claim the handlers never saw) goes back.
+        // Whatever is still held (a claim the handlers never saw, a job
+        // stopped between effects) goes back; a job whose outcome is still
+        // being written is left to its lease, so the release cannot fence
+        // the outcome out.
         let _ = failpoint::hit(Failpoint::BeforeRelease).await;
+        let still_recording = self
+            .recording_now
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default();
         for fence in self.keeper.drain() {
-            let _ = self.store.job_release(&fence).await;
+            if !still_recording.contains(&fence) {
+                let _ = self.store.job_release(&fence).await;
+            }
         }
         background.cancel();
         let _ = keeping.await;
@@ -303,10 +331,10 @@ impl Worker {
             let next = buffer.lock().await.recv().await;
             let Some(claimed) = next else { return };
             let id = claimed.job.id;
+            let fence = claimed.job.fence();
             if stop_claiming.is_cancelled() {
                 let _ = failpoint::hit(Failpoint::BeforeRelease).await;
-                let fence = claimed.job.fence();
-                self.keeper.release(id);
+                self.keeper.release_fence(&fence);
                 if let Err(error) = self.store.job_release(&fence).await {
                     tracing::warn!(%error, job_id = %id, "cannot give a buffered job back; its lease will expire");
                 }
@@ -319,9 +347,12 @@ impl Worker {
                 // The job stays held (its lease extended) until its outcome
                 // committed; its slot is free for the next claim already.
                 let (worker, idle) = (self.clone(), idle.clone());
+                worker.recording_started(&fence);
                 recording.spawn(async move {
                     record.await;
-                    worker.keeper.release(id);
+                    // Only this attempt: the job may be claimed again already.
+                    worker.keeper.release_fence(&fence);
+                    worker.recording_done(&fence);
                     if worker.keeper.is_empty() {
                         idle.notify_one();
                     }
@@ -523,6 +554,24 @@ impl Worker {
                 // Keys live in the emitting plugin's namespace from here on:
                 // in the ledger, at the provider and as child-job keys.
                 let plan = crate::effects::scope_plan(&job.plugin, plan);
+                // The plugin's name is part of every key now: a name the
+                // key rules refuse fails the job here, classified, instead
+                // of failing every ledger claim after the plan is stored.
+                if let Some(bad) = plan
+                    .iter()
+                    .find(|e| crate::store::check_key(&e.idempotency_key).is_err())
+                {
+                    return Ok((
+                        Attempt::Failed(Failure::host(
+                            Code::InvalidIdempotencyKey,
+                            format!(
+                                "the key {:?} (the plugin's name and its key) is not a valid idempotency key: at most 128 + 255 printable ASCII bytes",
+                                bad.idempotency_key
+                            ),
+                        )),
+                        ran,
+                    ));
+                }
                 failpoint::hit(Failpoint::AfterPluginCall).await?;
                 if plan.is_empty() {
                     // Nothing to carry out: the success is the only write,

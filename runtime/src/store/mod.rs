@@ -29,6 +29,7 @@ mod dialect;
 mod error;
 pub mod group_commit;
 mod input;
+pub(crate) use input::check_key;
 mod migrations;
 mod model;
 mod queries;
