@@ -769,3 +769,21 @@ fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
     );
     assert!(String::from_utf8_lossy(&replayed.stdout).contains("\"replayed\":1"));
 }
+
+#[test]
+fn resolving_an_unknown_key_says_so_and_names_the_plugin_form() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let out = idem(&[
+        "--database-url",
+        &db,
+        "effects",
+        "resolve",
+        "invoice:42:email:v1",
+        "--applied",
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no effect with key"), "{stderr}");
+    assert!(stderr.contains("PLUGIN/KEY"), "{stderr}");
+}

@@ -46,7 +46,7 @@ pub async fn run(config: &Config, command: EffectsCommand) -> Result<(), CliErro
                 .effect_get(&key)
                 .await
                 .map_err(|e| CliError::Runtime(e.into()))?
-                .ok_or_else(|| CliError::Failed(format!("no effect with key {key:?}")))?;
+                .ok_or_else(|| no_such_key(&key))?;
             println!(
                 "{}",
                 serde_json::to_string_pretty(&effect_json(&row)).unwrap_or_default()
@@ -76,6 +76,13 @@ pub async fn run(config: &Config, command: EffectsCommand) -> Result<(), CliErro
                 .await
                 .map_err(|e| CliError::Runtime(e.into()))?;
             if !resolved {
+                let known = store
+                    .effect_get(&key)
+                    .await
+                    .map_err(|e| CliError::Runtime(e.into()))?;
+                if known.is_none() {
+                    return Err(no_such_key(&key));
+                }
                 return Err(CliError::Failed(format!(
                     "effect {key:?} is not in doubt (see `idem effects show {key}`); nothing to resolve"
                 )));
@@ -105,4 +112,15 @@ pub fn effect_json(row: &EffectRecord) -> serde_json::Value {
         "lease_until_ms": row.lease_until_ms,
         "fingerprint": row.fingerprint,
     })
+}
+
+/// An unknown key; keys are stored under their plugin (`PLUGIN/KEY`), which
+/// a user typing the plugin's own key easily forgets.
+fn no_such_key(key: &str) -> CliError {
+    let hint = if key.contains('/') {
+        ""
+    } else {
+        " (keys are stored under their plugin: PLUGIN/KEY, e.g. send_invoice_email/invoice:42:email:v1)"
+    };
+    CliError::Failed(format!("no effect with key {key:?}{hint}"))
 }
