@@ -154,7 +154,10 @@ impl Harness {
             provider,
             registry,
             plugins_dir,
-            provider_timeout: Duration::from_millis(500),
+            // Well above a loopback call on a loaded 2-core CI machine (at
+            // 500 ms, calls timed out under a parallel test run), well below
+            // the 1.5 s of the provider server's `late` fault.
+            provider_timeout: Duration::from_millis(1000),
             url,
             _guard: guard,
         }
