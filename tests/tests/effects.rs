@@ -818,12 +818,14 @@ async fn ghost_plan(h: &Harness, effect: &Effect) -> idem::store::JobId {
     id
 }
 
-/// Window 8: a key claimed by a release that fingerprinted the serde
-/// layout is still recognised as the same request after the upgrade.
-async fn a_key_claimed_under_the_old_fingerprint_is_still_the_same_request(backend: Backend) {
-    let h = Harness::new(backend).await;
-    let effect = invoice_email(55);
-    let key = effect.idempotency_key.clone();
+/// Claims `key` for `effect` as a release before this one did: on a job of
+/// its own (queue `blockers`, owner `old-release`), under the fingerprint of
+/// that release.
+async fn claim_as_an_older_release(
+    h: &Harness,
+    key: &str,
+    effect: &Effect,
+) -> idem::store::EffectFence {
     let old = h
         .store
         .job_insert(NewJob {
@@ -846,14 +848,14 @@ async fn a_key_claimed_under_the_old_fingerprint_is_still_the_same_request(backe
         .unwrap()
         .remove(0);
     assert_eq!(held.id, old);
-    let fence = match h
+    match h
         .store
         .effect_claim(EffectClaimParams {
-            key: key.clone(),
+            key: key.to_string(),
             job_id: old,
             plugin: held.plugin.clone(),
             provider: "email".into(),
-            fingerprint: legacy_fingerprint(&effect),
+            fingerprint: legacy_fingerprint(effect),
             worker: "old-release".into(),
             job_attempt: held.attempt,
             lease: Duration::from_secs(60),
@@ -863,7 +865,16 @@ async fn a_key_claimed_under_the_old_fingerprint_is_still_the_same_request(backe
     {
         EffectClaim::Claimed { fence } => fence,
         other => panic!("{other:?}"),
-    };
+    }
+}
+
+/// Window 8: a key claimed by a release that fingerprinted the serde
+/// layout is still recognised as the same request after the upgrade.
+async fn a_key_claimed_under_the_old_fingerprint_is_still_the_same_request(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let effect = invoice_email(55);
+    let key = effect.idempotency_key.clone();
+    let fence = claim_as_an_older_release(&h, &key, &effect).await;
     h.store
         .effect_set_failed(EffectFailParams {
             fence,
@@ -960,46 +971,7 @@ async fn an_effect_done_under_an_unscoped_key_by_an_older_release_is_not_sent_ag
     let effect = plan.into_iter().next().expect("one effect");
     let unscoped = effect.idempotency_key.clone();
     assert!(!unscoped.starts_with("send_invoice_email/"));
-    let old = h
-        .store
-        .job_insert(NewJob {
-            queue: "blockers".into(),
-            ..invoice(4, "x@example.com")
-        })
-        .await
-        .unwrap()
-        .id;
-    let held = h
-        .store
-        .job_claim(ClaimParams {
-            queue: "blockers".into(),
-            worker: "old-release".into(),
-            limit: 1,
-            lease: Duration::from_secs(60),
-            queue_concurrency: None,
-        })
-        .await
-        .unwrap()
-        .remove(0);
-    assert_eq!(held.id, old);
-    let fence = match h
-        .store
-        .effect_claim(EffectClaimParams {
-            key: unscoped.clone(),
-            job_id: old,
-            plugin: "send_invoice_email".into(),
-            provider: "email".into(),
-            fingerprint: legacy_fingerprint(&effect),
-            worker: held.lease_owner.clone().unwrap_or_default(),
-            job_attempt: held.attempt,
-            lease: Duration::from_secs(60),
-        })
-        .await
-        .unwrap()
-    {
-        EffectClaim::Claimed { fence } => fence,
-        other => panic!("{other:?}"),
-    };
+    let fence = claim_as_an_older_release(&h, &unscoped, &effect).await;
     h.store
         .effect_set_succeeded(idem::store::EffectSucceedParams {
             fence,
