@@ -59,6 +59,28 @@ impl Effect {
         Self::new(provider, key, Action::Custom(body))
     }
 
+    /// A database write: the statement the operator declared under
+    /// `statement` for `provider` (a `sql` provider), with typed parameters.
+    /// The plugin never sends SQL text.
+    ///
+    /// ```
+    /// use idem_sdk::{key, params, Effect};
+    /// let e = Effect::sql("billing_db", key!("order:{}:invoice", 7).unwrap(), "create_invoice", params!["order-7", 1250]);
+    /// assert_eq!(e.provider(), "billing_db");
+    /// ```
+    pub fn sql(
+        provider: impl Into<String>,
+        key: IdempotencyKey,
+        statement: impl Into<String>,
+        params: Vec<crate::SqlValue>,
+    ) -> Self {
+        let call = crate::sql::SqlCall {
+            statement: statement.into(),
+            params,
+        };
+        Self::new(provider, key, Action::Custom(call.to_body()))
+    }
+
     /// Sends the effect through another provider of the same kind.
     ///
     /// ```

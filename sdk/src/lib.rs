@@ -35,6 +35,7 @@
 //! - [`key`]: idempotency keys, formatted and validated.
 //! - [`error`]: [`JobError`], retryable or permanent, with a machine-readable code.
 //! - [`log`]: the `trace!` .. `error!` macros that log into the host.
+//! - [`sql`]: database effects: a declared statement's name and typed parameters.
 //! - [`declaration`]: what `#[plugin(providers = .., enqueues = ..)]` stores in the component.
 #![deny(missing_docs)]
 
@@ -46,12 +47,14 @@ pub mod error;
 pub mod job;
 pub mod key;
 pub mod log;
+pub mod sql;
 
 pub use effect::{ChildJob, Effect, Email, HttpRequest};
 pub use error::JobError;
 pub use idem_sdk_macro::plugin;
 pub use job::Job;
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
+pub use sql::SqlValue;
 
 /// Glue used by the code that `#[plugin]` emits. Not a public API.
 #[doc(hidden)]
