@@ -108,11 +108,31 @@ pub enum Code {
     ProviderRedirected,
     /// The provider could not be reached (nothing was sent).
     ProviderUnreachable,
+    /// The effect names a statement its sql provider does not declare, or is not a statement call.
+    SqlStatementUnknown,
+    /// A statement's parameters do not match it in number or type.
+    SqlParamsInvalid,
+    /// The database refused a declared statement itself (syntax, unknown table).
+    SqlStatementInvalid,
+    /// A statement violated a constraint it does not handle (named in the message).
+    SqlConstraintViolation,
+    /// A statement's first returned column is neither an integer nor text.
+    SqlResultUnreadable,
+    /// A statement hit a deadlock, a serialization failure or a lock (rolled back).
+    SqlConflict,
+    /// A statement ran past its timeout (rolled back).
+    SqlTimeout,
+    /// The statement's database could not be reached (nothing ran).
+    SqlUnavailable,
+    /// The database refused a statement for another reason (rolled back).
+    SqlFailed,
+    /// The connection dropped while another database committed a statement.
+    SqlCommitUnknown,
 }
 
 impl Code {
     /// Every code.
-    pub const ALL: [Code; 33] = [
+    pub const ALL: [Code; 43] = [
         Code::PluginTimeout,
         Code::PluginOutOfMemory,
         Code::PluginStackOverflow,
@@ -146,6 +166,16 @@ impl Code {
         Code::ProviderRejected,
         Code::ProviderRedirected,
         Code::ProviderUnreachable,
+        Code::SqlStatementUnknown,
+        Code::SqlParamsInvalid,
+        Code::SqlStatementInvalid,
+        Code::SqlConstraintViolation,
+        Code::SqlResultUnreadable,
+        Code::SqlConflict,
+        Code::SqlTimeout,
+        Code::SqlUnavailable,
+        Code::SqlFailed,
+        Code::SqlCommitUnknown,
     ];
 
     /// The code as stored, logged and shown.
@@ -188,6 +218,16 @@ impl Code {
             Code::ProviderRejected => "provider_rejected",
             Code::ProviderRedirected => "provider_redirected",
             Code::ProviderUnreachable => "provider_unreachable",
+            Code::SqlStatementUnknown => "sql_statement_unknown",
+            Code::SqlParamsInvalid => "sql_params_invalid",
+            Code::SqlStatementInvalid => "sql_statement_invalid",
+            Code::SqlConstraintViolation => "sql_constraint_violation",
+            Code::SqlResultUnreadable => "sql_result_unreadable",
+            Code::SqlConflict => "sql_conflict",
+            Code::SqlTimeout => "sql_timeout",
+            Code::SqlUnavailable => "sql_unavailable",
+            Code::SqlFailed => "sql_failed",
+            Code::SqlCommitUnknown => "sql_commit_unknown",
         }
     }
 
@@ -204,11 +244,16 @@ impl Code {
             | Code::ProviderUnavailable
             | Code::ProviderRateLimited
             | Code::ProviderRequestInProgress
-            | Code::ProviderUnreachable => ErrorClass::Retryable,
+            | Code::ProviderUnreachable
+            | Code::SqlConflict
+            | Code::SqlTimeout
+            | Code::SqlUnavailable
+            | Code::SqlFailed => ErrorClass::Retryable,
             Code::ProviderTimeout
             | Code::ProviderConnectionLost
             | Code::ProviderError
-            | Code::LeaseExpired => ErrorClass::Ambiguous,
+            | Code::LeaseExpired
+            | Code::SqlCommitUnknown => ErrorClass::Ambiguous,
             Code::PluginForbiddenCall
             | Code::PluginOutputTooLarge
             | Code::InvalidErrorCode
@@ -226,7 +271,12 @@ impl Code {
             | Code::DedupeWindowPassed
             | Code::DeferredTooLong
             | Code::ProviderRejected
-            | Code::ProviderRedirected => ErrorClass::Permanent,
+            | Code::ProviderRedirected
+            | Code::SqlStatementUnknown
+            | Code::SqlParamsInvalid
+            | Code::SqlStatementInvalid
+            | Code::SqlConstraintViolation
+            | Code::SqlResultUnreadable => ErrorClass::Permanent,
         }
     }
 
@@ -284,6 +334,16 @@ impl Code {
             Code::ProviderRejected => "The provider refused the request (4xx).",
             Code::ProviderRedirected => "The provider answered with a redirect (never followed).",
             Code::ProviderUnreachable => "The provider could not be reached (nothing was sent).",
+            Code::SqlStatementUnknown => "The effect names a statement its sql provider does not declare, or is not a statement call.",
+            Code::SqlParamsInvalid => "A statement's parameters do not match it in number or type.",
+            Code::SqlStatementInvalid => "The database refused a declared statement itself (syntax, unknown table).",
+            Code::SqlConstraintViolation => "A statement violated a constraint it does not handle (named in the message).",
+            Code::SqlResultUnreadable => "A statement's first returned column is neither an integer nor text.",
+            Code::SqlConflict => "A statement hit a deadlock, a serialization failure or a lock (rolled back).",
+            Code::SqlTimeout => "A statement ran past its timeout (rolled back).",
+            Code::SqlUnavailable => "The statement's database could not be reached (nothing ran).",
+            Code::SqlFailed => "The database refused a statement for another reason (rolled back).",
+            Code::SqlCommitUnknown => "The connection dropped while another database committed a statement.",
         }
     }
 
