@@ -31,6 +31,9 @@ pub enum Failpoint {
     AfterProviderCall,
     /// After the key is marked, before the job finishes.
     AfterKeyMarked,
+    /// A `sql` effect: after its statement ran, before its transaction
+    /// (the statement with the ledger, or with the guard row) commits.
+    AfterStatement,
     /// In the lease keeper's round.
     InHeartbeat,
     /// At shutdown, before leases are given back.
@@ -42,12 +45,13 @@ pub enum Failpoint {
 
 impl Failpoint {
     /// Every failpoint.
-    pub const ALL: [Failpoint; 8] = [
+    pub const ALL: [Failpoint; 9] = [
         Failpoint::AfterPluginCall,
         Failpoint::AfterPlanStored,
         Failpoint::AfterKeyClaimed,
         Failpoint::AfterProviderCall,
         Failpoint::AfterKeyMarked,
+        Failpoint::AfterStatement,
         Failpoint::InHeartbeat,
         Failpoint::BeforeRelease,
         Failpoint::AfterInsertBeforeAck,
@@ -65,6 +69,7 @@ impl Failpoint {
             Failpoint::AfterKeyClaimed => "after_key_claimed",
             Failpoint::AfterProviderCall => "after_provider_call",
             Failpoint::AfterKeyMarked => "after_key_marked",
+            Failpoint::AfterStatement => "after_statement",
             Failpoint::InHeartbeat => "in_heartbeat",
             Failpoint::BeforeRelease => "before_release",
             Failpoint::AfterInsertBeforeAck => "after_insert_before_ack",

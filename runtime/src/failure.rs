@@ -334,16 +334,28 @@ impl Code {
             Code::ProviderRejected => "The provider refused the request (4xx).",
             Code::ProviderRedirected => "The provider answered with a redirect (never followed).",
             Code::ProviderUnreachable => "The provider could not be reached (nothing was sent).",
-            Code::SqlStatementUnknown => "The effect names a statement its sql provider does not declare, or is not a statement call.",
+            Code::SqlStatementUnknown => {
+                "The effect names a statement its sql provider does not declare, or is not a statement call."
+            }
             Code::SqlParamsInvalid => "A statement's parameters do not match it in number or type.",
-            Code::SqlStatementInvalid => "The database refused a declared statement itself (syntax, unknown table).",
-            Code::SqlConstraintViolation => "A statement violated a constraint it does not handle (named in the message).",
-            Code::SqlResultUnreadable => "A statement's first returned column is neither an integer nor text.",
-            Code::SqlConflict => "A statement hit a deadlock, a serialization failure or a lock (rolled back).",
+            Code::SqlStatementInvalid => {
+                "The database refused a declared statement itself (syntax, unknown table)."
+            }
+            Code::SqlConstraintViolation => {
+                "A statement violated a constraint it does not handle (named in the message)."
+            }
+            Code::SqlResultUnreadable => {
+                "A statement's first returned column is neither an integer nor text."
+            }
+            Code::SqlConflict => {
+                "A statement hit a deadlock, a serialization failure or a lock (rolled back)."
+            }
             Code::SqlTimeout => "A statement ran past its timeout (rolled back).",
             Code::SqlUnavailable => "The statement's database could not be reached (nothing ran).",
             Code::SqlFailed => "The database refused a statement for another reason (rolled back).",
-            Code::SqlCommitUnknown => "The connection dropped while another database committed a statement.",
+            Code::SqlCommitUnknown => {
+                "The connection dropped while another database committed a statement."
+            }
         }
     }
 

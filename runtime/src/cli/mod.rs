@@ -94,8 +94,13 @@ pub enum Command {
         #[arg(long)]
         key: Option<String>,
     },
-    /// Create or upgrade the database schema.
-    Migrate,
+    /// Create or upgrade the database schema (or, with --provider, a sql
+    /// provider's guard table in its own database).
+    Migrate {
+        /// A `sql` provider whose guard table to create.
+        #[arg(long)]
+        provider: Option<String>,
+    },
     /// Enqueue a job; prints its id (the existing job's for a duplicate key).
     Enqueue(queue::EnqueueArgs),
     /// Run the worker: claim jobs, run plugins, carry out effects.
@@ -204,7 +209,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::ProviderServer(args) => server::run(args).await,
         #[cfg(feature = "provider-server")]
         Command::Chaos(args) => chaos::run(&config, &plugins_dir, args).await,
-        Command::Migrate => queue::migrate(&config).await,
+        Command::Migrate { provider } => queue::migrate(&config, provider.as_deref()).await,
         Command::Enqueue(args) => queue::enqueue(&config, &plugins_dir, args).await,
         Command::Run(args) => queue::run(&config, &plugins_dir, args).await,
         Command::Bench(args) => {

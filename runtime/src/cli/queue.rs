@@ -47,14 +47,41 @@ fn hide_all_but_scheme(text: &str) -> String {
     }
 }
 
-/// `idem migrate`
-pub async fn migrate(config: &Config) -> Result<(), CliError> {
-    let store = store(config).await?;
-    println!(
-        "migrated: {} store at {}",
-        store.backend(),
-        redact_url(&config.database_url)
-    );
+/// `idem migrate [--provider NAME]`: the store's schema, or a `sql`
+/// provider's guard table in its own database.
+pub async fn migrate(config: &Config, provider: Option<&str>) -> Result<(), CliError> {
+    let Some(name) = provider else {
+        let store = store(config).await?;
+        println!(
+            "migrated: {} store at {}",
+            store.backend(),
+            redact_url(&config.database_url)
+        );
+        return Ok(());
+    };
+    let provider_config = config
+        .providers
+        .get(name)
+        .filter(|p| p.kind == crate::providers::config::ProviderKind::Sql)
+        .ok_or_else(|| CliError::Usage(format!("no sql provider {name:?} in the configuration")))?;
+    let provider = crate::providers::sql::SqlProvider::from_config(
+        name,
+        provider_config,
+        &config.database_url,
+    )
+    .map_err(|why| CliError::Usage(format!("provider {name:?}: {why}")))?;
+    match provider.migrate().await {
+        Ok(true) => println!("migrated: the guard table idem_effects of provider {name:?}"),
+        Ok(false) => println!(
+            "provider {name:?} writes to the store's own database: its statements commit with the ledger, no guard table is needed"
+        ),
+        Err(failure) => {
+            return Err(CliError::Usage(format!(
+                "provider {name:?}: {} ({})",
+                failure.message, failure.code
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -291,8 +318,8 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
         crate::metrics::install_prometheus(addr)
             .map_err(|e| CliError::Usage(format!("--metrics-listen {addr}: {e}")))?;
     }
-    let providers =
-        Providers::from_config(&config.providers).map_err(|e| CliError::Usage(e.to_string()))?;
+    let providers = Providers::for_store(&config.providers, &config.database_url)
+        .map_err(|e| CliError::Usage(e.to_string()))?;
     let registry = super::plugins::registry(config, plugins_dir)?;
     if registry.list().is_empty() {
         eprintln!(

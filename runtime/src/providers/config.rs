@@ -1,6 +1,7 @@
 //! `[providers.NAME]` configuration.
 
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Which built-in provider a table configures.
@@ -11,6 +12,8 @@ pub enum ProviderKind {
     Http,
     /// Email API in the style of Resend: `POST {base_url}/emails`.
     Email,
+    /// Declared statements against a database (`url`, `statements`).
+    Sql,
 }
 
 /// One provider's configuration.
@@ -26,10 +29,23 @@ pub enum ProviderKind {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProviderConfig {
-    /// `http` or `email`.
+    /// `http`, `email` or `sql`.
     pub kind: ProviderKind,
-    /// Base URL the effect's path is relative to.
+    /// Base URL the effect's path is relative to (`http`, `email`).
+    #[serde(default)]
     pub base_url: String,
+    /// The database of a `sql` provider: `postgres://..` or `sqlite:..`;
+    /// absent or `"store"` for the store's own database (the statement then
+    /// commits with the ledger, in one transaction).
+    #[serde(default)]
+    pub url: Option<String>,
+    /// The statements a `sql` provider runs, by name (`$1`, `$2`, ...
+    /// placeholders). Plugins name them; they never send SQL.
+    #[serde(default)]
+    pub statements: BTreeMap<String, String>,
+    /// Connections to a `sql` provider's other database (default 4).
+    #[serde(default = "default_pool_size")]
+    pub pool_size: u32,
     /// Timeout of one request.
     #[serde(default = "default_timeout", with = "humantime_serde")]
     pub timeout: Duration,
@@ -58,6 +74,10 @@ pub struct ProviderConfig {
     /// Retry-storm protection.
     #[serde(default, flatten)]
     pub guard: GuardConfig,
+}
+
+fn default_pool_size() -> u32 {
+    4
 }
 
 fn yes() -> bool {
@@ -207,5 +227,12 @@ mod tests {
             "kind = \"http\"\nbase_url = \"http://x\"\nconcurency = 3",
         );
         assert!(typo.is_err(), "unknown keys are refused");
+        let sql: ProviderConfig = toml::from_str(
+            "kind = \"sql\"\nstatements.create_invoice = \"INSERT INTO invoices VALUES ($1)\"",
+        )
+        .unwrap();
+        assert_eq!(sql.kind, ProviderKind::Sql);
+        assert_eq!(sql.url, None, "the store's own database");
+        assert_eq!(sql.statements.len(), 1);
     }
 }

@@ -4,6 +4,7 @@
 //! # Layout
 //! - [`config`]: `[providers.NAME]` tables of `idem.toml`.
 //! - [`http`]: the `http` and `email` providers (an HTTP API honouring `Idempotency-Key`).
+//! - [`sql`]: the `sql` provider (declared statements, exactly once per database).
 //! - [`guard`]: retry-storm protection per provider (concurrency, rate, circuit breaker).
 //! - this module: the [`Provider`] trait and the [`Providers`] set built from config.
 //!
@@ -13,6 +14,7 @@
 pub mod config;
 pub mod guard;
 pub mod http;
+pub mod sql;
 
 pub use config::ProviderConfig;
 
@@ -64,6 +66,23 @@ pub trait Provider: Send + Sync {
     /// Carries one effect out, sending its idempotency key.
     async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure>;
 
+    /// Checks an effect of a fresh plan before the plan is stored; a
+    /// failure (permanent) refuses the plan before anything runs.
+    fn check(&self, _effect: &Effect) -> Result<(), Failure> {
+        Ok(())
+    }
+
+    /// For a provider that writes to the store's own database: the
+    /// statement to run in the transaction that marks the effect succeeded
+    /// (see `Store::effect_succeed_with_statement`), instead of
+    /// [`Provider::execute`]. `None` for every other provider.
+    fn in_store_transaction(
+        &self,
+        _effect: &Effect,
+    ) -> Option<Result<crate::store::StatementCall, Failure>> {
+        None
+    }
+
     /// The longest one call may take (the key's lease is sized from it).
     fn timeout(&self) -> Duration {
         Duration::from_secs(30)
@@ -97,9 +116,20 @@ pub struct ProviderConfigError {
 }
 
 impl Providers {
-    /// Builds every configured provider (secrets are read now, never passed to plugins).
+    /// Builds every configured provider (secrets are read now, never passed
+    /// to plugins); a `sql` provider with a `url` is another database.
     pub fn from_config(
         configs: &BTreeMap<String, ProviderConfig>,
+    ) -> Result<Self, ProviderConfigError> {
+        Self::for_store(configs, "")
+    }
+
+    /// As [`Providers::from_config`], for a runtime whose store is at
+    /// `store_url`: a `sql` provider whose `url` is the same runs in the
+    /// store's own transactions.
+    pub fn for_store(
+        configs: &BTreeMap<String, ProviderConfig>,
+        store_url: &str,
     ) -> Result<Self, ProviderConfigError> {
         let mut providers = Providers::default();
         for (name, config) in configs {
@@ -109,13 +139,19 @@ impl Providers {
                     why: "`jobs` is built in and cannot be configured".into(),
                 });
             }
-            let provider = http::HttpProvider::from_config(name, config).map_err(|why| {
-                ProviderConfigError {
-                    name: name.clone(),
-                    why,
+            let why = |why| ProviderConfigError {
+                name: name.clone(),
+                why,
+            };
+            let provider: Arc<dyn Provider> = match config.kind {
+                config::ProviderKind::Sql => {
+                    Arc::new(sql::SqlProvider::from_config(name, config, store_url).map_err(why)?)
                 }
-            })?;
-            providers.insert(name, Arc::new(provider), guard::Guard::new(&config.guard));
+                config::ProviderKind::Http | config::ProviderKind::Email => {
+                    Arc::new(http::HttpProvider::from_config(name, config).map_err(why)?)
+                }
+            };
+            providers.insert(name, provider, guard::Guard::new(&config.guard));
         }
         Ok(providers)
     }

@@ -17,7 +17,8 @@ use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::store::{
     ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus,
-    EffectSucceedParams, Fence, Job, NewJob, Sent, Store, StoreError, retry_transient,
+    EffectSucceedParams, Fence, Job, NewJob, Sent, StatementCall, StatementOutcome,
+    StatementParams, Store, StoreError, retry_transient,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -134,14 +135,17 @@ impl Executor {
     ) -> Result<(), Failure> {
         for effect in plan {
             allowed(effect)?;
-            if effect.provider != JOBS_PROVIDER && self.providers.get(&effect.provider).is_none() {
-                return Err(Failure::host(
-                    Code::ProviderNotConfigured,
-                    format!(
-                        "no provider named {:?} is configured on this host",
-                        effect.provider
-                    ),
-                ));
+            if effect.provider != JOBS_PROVIDER {
+                let Some(provider) = self.providers.get(&effect.provider) else {
+                    return Err(Failure::host(
+                        Code::ProviderNotConfigured,
+                        format!(
+                            "no provider named {:?} is configured on this host",
+                            effect.provider
+                        ),
+                    ));
+                };
+                provider.provider.check(effect)?;
             }
             if effect.provider == JOBS_PROVIDER && !matches!(effect.action, Action::Enqueue { .. })
             {
@@ -225,6 +229,13 @@ impl Executor {
         if let Some(settled) = self.settled(effect).await? {
             return Err(settled);
         }
+        // A statement on the store's own database commits with its ledger
+        // row; one the host cannot run is refused before anything is claimed.
+        let in_store = match provider.provider.in_store_transaction(effect) {
+            Some(Err(refused)) => return Err(PlanOutcome::Failed(refused)),
+            Some(Ok(call)) => Some(call),
+            None => None,
+        };
         // The permit comes before the key's lease: waiting for a slot or a
         // rate token must not eat into the lease that protects the call.
         let permit = match provider.guard.enter().await {
@@ -279,8 +290,13 @@ impl Executor {
             permit.release();
             return Err(PlanOutcome::Store(error));
         }
-        self.call_provider(effect, &fence, &provider, permit)
-            .await?;
+        match in_store {
+            Some(call) => self.run_in_store(effect, &fence, call, permit).await?,
+            None => {
+                self.call_provider(effect, &fence, &provider, permit)
+                    .await?
+            }
+        }
         failpoint::hit(Failpoint::AfterKeyMarked)
             .await
             .map_err(PlanOutcome::Store)
@@ -536,6 +552,67 @@ impl Executor {
                 WorkerStats::bump(&self.stats.effects_failed);
                 metrics::effect(&effect.provider, "failed");
                 self.fail(fence, &failure, sent).await?;
+                Err(PlanOutcome::Failed(failure))
+            }
+        }
+    }
+
+    /// Runs a statement on the store's own database in the transaction that
+    /// marks its effect succeeded: there is no moment at which one is
+    /// committed and the other is not.
+    async fn run_in_store(
+        &self,
+        effect: &Effect,
+        fence: &EffectFence,
+        call: StatementCall,
+        permit: Permit<'_>,
+    ) -> Result<(), PlanOutcome> {
+        let params = StatementParams {
+            fence: fence.clone(),
+            call,
+        };
+        let started = Instant::now();
+        let outcome =
+            retry_transient(|| self.store.effect_succeed_with_statement(params.clone())).await;
+        let took = started.elapsed();
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                // Committed or not, the ledger row says which: the job's
+                // next delivery reads it.
+                permit.record(Err(ErrorClass::Retryable));
+                return Err(PlanOutcome::Store(error));
+            }
+        };
+        let refused = match &outcome {
+            StatementOutcome::Refused(failure) => Some(failure.code.as_str()),
+            _ => None,
+        };
+        metrics::provider_call(&effect.provider, took, refused);
+        match outcome {
+            StatementOutcome::Applied { result_ref } => {
+                permit.record(Ok(()));
+                tracing::info!(
+                    result_ref = result_ref.as_deref().unwrap_or(""),
+                    ?took,
+                    "statement committed with its ledger row"
+                );
+                WorkerStats::bump(&self.stats.effects_executed);
+                metrics::effect(&effect.provider, "executed");
+                Ok(())
+            }
+            StatementOutcome::FencedOut => {
+                permit.record(Ok(()));
+                self.fenced_out("statement");
+                Ok(())
+            }
+            StatementOutcome::Refused(failure) => {
+                permit.record(Err(failure.class));
+                tracing::warn!(code = %failure.code, class = failure.class.as_str(), "statement refused");
+                WorkerStats::bump(&self.stats.effects_failed);
+                metrics::effect(&effect.provider, "failed");
+                // Rolled back with the ledger's mark: nothing happened.
+                self.fail(fence, &failure, Sent::NotApplied).await?;
                 Err(PlanOutcome::Failed(failure))
             }
         }

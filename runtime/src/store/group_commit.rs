@@ -15,8 +15,8 @@
 
 use super::{
     BackendKind, ClaimParams, EffectPruneParams, EffectRecord, Enqueued, Job, JobFilter, JobId,
-    NewJob, PruneParams, QueueStats, Replayed, Resolution, Result, Store, StoreError, Write,
-    Written,
+    NewJob, PruneParams, QueueStats, Replayed, Resolution, Result, StatementOutcome,
+    StatementParams, Store, StoreError, Write, Written,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -218,6 +218,13 @@ impl Store for GroupCommit {
 
     async fn effect_delete_finished(&self, params: EffectPruneParams) -> Result<u64> {
         self.inner.effect_delete_finished(params).await
+    }
+
+    async fn effect_succeed_with_statement(
+        &self,
+        params: StatementParams,
+    ) -> Result<StatementOutcome> {
+        self.inner.effect_succeed_with_statement(params).await
     }
 
     async fn effect_get(&self, key: &str) -> Result<Option<EffectRecord>> {

@@ -20,6 +20,8 @@
 //! - `dialect`: what differs per database; [`sqlite`] and [`postgres`] hold
 //!   one dialect each, with connecting and wake-ups.
 //! - [`group_commit`]: the batching writer in front of a store.
+//! - `statement`: operator-declared statements of `sql` effects (binding,
+//!   result reference, error classes).
 //! - `input`, `rows`: input checks and row decoding.
 //!
 //! Schemas live in `migrations/sqlite` and `migrations/postgres` and are
@@ -35,6 +37,7 @@ mod model;
 mod queries;
 mod rows;
 mod sql;
+mod statement;
 
 pub mod postgres;
 pub mod sqlite;
@@ -44,6 +47,8 @@ pub use error::{Result, StoreError, retry_transient};
 pub use model::*;
 pub use queries::Clock;
 pub use sql::SqlStore;
+pub(crate) use statement::RunStatement;
+pub use statement::{StatementCall, StatementOutcome, classify_sql_error, placeholder_count};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -145,6 +150,19 @@ pub trait Store: Send + Sync + 'static {
     /// ([`StoreError::Invalid`]) unless the store was opened with
     /// [`Clock::Adjustable`].
     async fn clock_advance(&self, by: Duration) -> Result<()>;
+
+    /// Runs an operator-declared statement and marks the claimed effect
+    /// succeeded, with the statement's first returned column as its
+    /// `result_ref`, in **one** transaction of the store's own database: a
+    /// crash leaves both or neither. Fenced as
+    /// [`Store::effect_set_succeeded`]: a stale claim runs nothing. When the
+    /// database refuses the statement, nothing is changed and the refusal
+    /// comes back classified. Not batched with other writes: a statement's
+    /// failure must not roll back anyone else's.
+    async fn effect_succeed_with_statement(
+        &self,
+        params: StatementParams,
+    ) -> Result<StatementOutcome>;
 
     /// Commits one write (see [`Store::write_batch`]).
     async fn write(&self, write: Write) -> Result<Written> {

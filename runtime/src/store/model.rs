@@ -480,6 +480,15 @@ pub struct EffectFence {
     pub attempt: u32,
 }
 
+/// Params of [`Store::effect_succeed_with_statement`](super::Store::effect_succeed_with_statement).
+#[derive(Debug, Clone)]
+pub struct StatementParams {
+    /// The claim.
+    pub fence: EffectFence,
+    /// The statement and its values.
+    pub call: super::StatementCall,
+}
+
 /// Params of [`Store::effect_set_failed`](super::Store::effect_set_failed).
 #[derive(Debug, Clone)]
 pub struct EffectFailParams {

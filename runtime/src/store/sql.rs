@@ -662,6 +662,58 @@ impl Store for SqlStore {
         Ok(answers)
     }
 
+    async fn effect_succeed_with_statement(
+        &self,
+        params: StatementParams,
+    ) -> Result<StatementOutcome> {
+        let key = params.fence.key.clone();
+        let item = EffectItem {
+            index: 0,
+            fence: params.fence,
+            kind: EffectKind::Succeed,
+            result_ref: None,
+            status: None,
+            code: None,
+            sent: None,
+            child: None,
+        };
+        let outcome = with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            // Marked first: a stale claim finds no row and runs nothing.
+            let applied: Vec<String> = sqlx::query_scalar(&self.q.effect_succeed)
+                .bind_rows(effect_row_set(EffectKind::Succeed, &[item]))
+                .fetch_all(&mut *tx)
+                .await?;
+            if applied.is_empty() {
+                tx.rollback().await?;
+                StatementOutcome::FencedOut
+            } else {
+                match tx.run_statement(&params.call).await? {
+                    Err(refused) => {
+                        tx.rollback().await?;
+                        StatementOutcome::Refused(refused)
+                    }
+                    Ok(result_ref) => {
+                        if let Some(result_ref) = &result_ref {
+                            sqlx::query(&self.q.effect_set_ref)
+                                .bind_rows(
+                                    RowSet::new()
+                                        .texts([key.clone()])
+                                        .texts([result_ref.clone()]),
+                                )
+                                .execute(&mut *tx)
+                                .await?;
+                        }
+                        crate::failpoint::hit(crate::failpoint::Failpoint::AfterStatement).await?;
+                        tx.commit().await?;
+                        StatementOutcome::Applied { result_ref }
+                    }
+                }
+            }
+        });
+        Ok(outcome)
+    }
+
     async fn job_rescue_expired(&self, limit: u32) -> Result<Vec<JobId>> {
         if limit == 0 {
             return Ok(Vec::new());

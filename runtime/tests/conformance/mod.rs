@@ -13,6 +13,7 @@
 //! - [`dlq`]: the dead-letter queue and replay.
 //! - [`effects`]: the effect ledger.
 //! - [`batch`]: batched writes and the group commit's buffer.
+//! - [`statements`]: `sql` effects on the store's own database.
 
 pub mod batch;
 pub mod claim;
@@ -20,6 +21,7 @@ pub mod dlq;
 pub mod effects;
 pub mod insert;
 pub mod lifecycle;
+pub mod statements;
 
 use futures::future::BoxFuture;
 use idem::failure::ErrorClass;
@@ -125,6 +127,11 @@ macro_rules! conformance_suite {
             effects::effect_claim_fenced_by_the_job_lease,
             batch::batch_answers_each_write_in_order_some_fenced_out,
             batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
+            statements::statement_commits_with_its_ledger_row,
+            statements::statement_of_a_stale_claim_runs_nothing,
+            statements::refused_statement_rolls_back_the_ledger_mark,
+            statements::statement_parameters_are_checked_and_bound,
+            statements::statement_the_database_cannot_run_is_permanent,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {

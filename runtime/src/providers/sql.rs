@@ -1,0 +1,401 @@
+//! The `sql` provider: writes to the application's own database, exactly
+//! once, through statements the operator declared by name.
+//!
+//! Two cases, one rule each:
+//! - **the store's own database** (`url` absent or `"store"`, or equal to the
+//!   store's URL): the statement runs in the transaction that marks its
+//!   ledger row `succeeded` ([`Store::effect_succeed_with_statement`]), so a
+//!   crash leaves both or neither;
+//! - **another database**: a guard row `idem_effects(key, fingerprint,
+//!   result_ref, at)` is written in the statement's own transaction there. A
+//!   redelivery after a crash between that commit and the ledger's finds the
+//!   key in the guard and completes the ledger without running the statement
+//!   again.
+//!
+//! A plugin sends a statement name and typed values ([`SqlCall`]), never SQL
+//! text; the values are always bound as parameters.
+//!
+//! [`Store::effect_succeed_with_statement`]: crate::store::Store::effect_succeed_with_statement
+
+use super::config::ProviderConfig;
+use super::{Dedupe, Delivered, Provider};
+use crate::effects::{Action, Effect, fingerprint};
+use crate::failpoint::{self, Failpoint};
+use crate::failure::{Code, Failure};
+use crate::store::{RunStatement, StatementCall, classify_sql_error, placeholder_count};
+use idem_sdk::sql::SqlCall;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::time::Duration;
+use tokio::sync::OnceCell;
+
+/// The guard table a `sql` provider keeps in another database.
+pub const GUARD_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS idem_effects (\
+     key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, result_ref TEXT, at BIGINT NOT NULL)";
+
+/// Guard rows are never pruned by idem, so the provider remembers a key for
+/// as long as the target database keeps the row.
+const GUARD_WINDOW: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// A declared statement.
+#[derive(Debug, Clone)]
+struct Declared {
+    sql: String,
+    params: usize,
+}
+
+/// Where the statements run.
+enum Target {
+    /// The store's own database, in the ledger's transaction.
+    Store,
+    /// Another database, with a guard table there.
+    Other {
+        pool: OtherPool,
+        guard_ready: OnceCell<()>,
+    },
+}
+
+enum OtherPool {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+}
+
+/// A `sql` provider.
+///
+/// ```no_run
+/// # async fn demo() {
+/// let config: idem::providers::ProviderConfig = toml::from_str(r#"
+///     kind = "sql"
+///     url = "postgres://app@127.0.0.1:5432/billing"
+///     statements.create_invoice = "INSERT INTO invoices (order_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING id"
+/// "#).unwrap();
+/// let provider = idem::providers::sql::SqlProvider::from_config("billing_db", &config, "sqlite://idem.db").unwrap();
+/// # }
+/// ```
+pub struct SqlProvider {
+    name: String,
+    statements: BTreeMap<String, Declared>,
+    target: Target,
+    timeout: Duration,
+}
+
+impl SqlProvider {
+    /// Builds the provider; a pool to another database is opened lazily.
+    /// `store_url` is the store's URL: a provider `url` equal to it (or
+    /// absent, or `"store"`) runs in the store's transactions.
+    pub fn from_config(
+        name: &str,
+        config: &ProviderConfig,
+        store_url: &str,
+    ) -> Result<Self, String> {
+        if !config.base_url.is_empty() || config.from.is_some() || config.auth.is_some() {
+            return Err(
+                "a sql provider takes `url` and `statements`, not `base_url`, `from` or `auth`"
+                    .into(),
+            );
+        }
+        if config.statements.is_empty() {
+            return Err(
+                "a sql provider declares at least one statement (`statements.NAME = \"...\"`)"
+                    .into(),
+            );
+        }
+        let mut statements = BTreeMap::new();
+        for (statement, sql) in &config.statements {
+            if sql.trim().is_empty() {
+                return Err(format!("statement {statement:?} is empty"));
+            }
+            statements.insert(
+                statement.clone(),
+                Declared {
+                    sql: sql.clone(),
+                    params: placeholder_count(sql),
+                },
+            );
+        }
+        let target = match config.url.as_deref() {
+            None | Some("store") => Target::Store,
+            Some(url) if url == store_url => Target::Store,
+            Some(url) => Target::Other {
+                pool: open_pool(url, config)?,
+                guard_ready: OnceCell::new(),
+            },
+        };
+        Ok(SqlProvider {
+            name: name.to_string(),
+            statements,
+            target,
+            timeout: config.timeout,
+        })
+    }
+
+    /// Whether the statements run in the store's own transactions.
+    pub fn in_store(&self) -> bool {
+        matches!(self.target, Target::Store)
+    }
+
+    /// The declared statement an effect names, with its values; refused
+    /// (permanently) unless the effect is a statement call naming a
+    /// declared statement with as many values as it has placeholders.
+    pub fn call(&self, effect: &Effect) -> Result<StatementCall, Failure> {
+        let Action::Custom { body } = &effect.action else {
+            return Err(Failure::host(
+                Code::UnsupportedAction,
+                format!(
+                    "the sql provider {:?} runs declared statements, not {} effects",
+                    self.name,
+                    effect.action.kind()
+                ),
+            ));
+        };
+        let call = SqlCall::from_body(body).map_err(|e| {
+            Failure::host(
+                Code::SqlStatementUnknown,
+                format!(
+                    "a sql effect carries a declared statement's name and typed parameters \
+                     (Effect::sql), nothing else: {e}"
+                ),
+            )
+        })?;
+        let Some(declared) = self.statements.get(&call.statement) else {
+            return Err(Failure::host(
+                Code::SqlStatementUnknown,
+                format!(
+                    "the sql provider {:?} declares no statement {:?} (it declares {})",
+                    self.name,
+                    crate::failure::truncate(call.statement.clone(), 80),
+                    self.statements
+                        .keys()
+                        .map(|k| format!("{k:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        };
+        if call.params.len() != declared.params {
+            return Err(Failure::host(
+                Code::SqlParamsInvalid,
+                format!(
+                    "statement {:?} takes {} parameters, the effect gave {}",
+                    call.statement,
+                    declared.params,
+                    call.params.len()
+                ),
+            ));
+        }
+        for (i, value) in call.params.iter().enumerate() {
+            if let idem_sdk::SqlValue::Numeric(text) = value
+                && !idem_sdk::sql::is_decimal(text)
+            {
+                return Err(Failure::host(
+                    Code::SqlParamsInvalid,
+                    format!(
+                        "parameter ${} of statement {:?} is not a decimal number: {:?}",
+                        i + 1,
+                        call.statement,
+                        crate::failure::truncate(text.clone(), 40)
+                    ),
+                ));
+            }
+        }
+        Ok(StatementCall {
+            name: call.statement,
+            sql: declared.sql.clone(),
+            params: call.params,
+            timeout: self.timeout,
+        })
+    }
+
+    /// Creates the guard table in another database (`idem migrate
+    /// --provider NAME`); `false` when the provider writes to the store's
+    /// own database, which needs none.
+    pub async fn migrate(&self) -> Result<bool, Failure> {
+        match &self.target {
+            Target::Store => Ok(false),
+            Target::Other { pool, guard_ready } => {
+                ensure_guard(pool, guard_ready).await?;
+                Ok(true)
+            }
+        }
+    }
+}
+
+fn open_pool(url: &str, config: &ProviderConfig) -> Result<OtherPool, String> {
+    let size = config.pool_size.max(1);
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let pool = PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(config.timeout)
+            .connect_lazy(url)
+            .map_err(|e| format!("url: {e}"))?;
+        Ok(OtherPool::Postgres(pool))
+    } else if url.starts_with("sqlite:") {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| format!("url: {e}"))?
+            .create_if_missing(true)
+            .busy_timeout(config.timeout)
+            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+            .synchronous(sqlx::sqlite::SqliteSynchronous::Full);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(config.timeout)
+            .connect_lazy_with(options);
+        Ok(OtherPool::Sqlite(pool))
+    } else {
+        Err(format!(
+            "url must be postgres://, sqlite: or \"store\", not {:?}",
+            url.split("://").next().unwrap_or("")
+        ))
+    }
+}
+
+fn unavailable(provider: &str, error: &sqlx::Error) -> Failure {
+    Failure::host(
+        Code::SqlUnavailable,
+        format!("the database of sql provider {provider:?} cannot be used: {error}"),
+    )
+}
+
+async fn ensure_guard(pool: &OtherPool, ready: &OnceCell<()>) -> Result<(), Failure> {
+    ready
+        .get_or_try_init(|| async {
+            let result = match pool {
+                OtherPool::Postgres(pool) => {
+                    sqlx::query(GUARD_TABLE_DDL).execute(pool).await.map(|_| ())
+                }
+                OtherPool::Sqlite(pool) => {
+                    sqlx::query(GUARD_TABLE_DDL).execute(pool).await.map(|_| ())
+                }
+            };
+            result.map(|_| ()).map_err(|e| {
+                classify_sql_error(&e, "create the guard table")
+                    .unwrap_or_else(|| unavailable("guard", &e))
+            })
+        })
+        .await
+        .map(|_| ())
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// The guarded run on one pool type (inlined per database, as the store's
+/// `with_db!`): guard row and statement in one transaction; a key found in
+/// the guard is answered from it.
+macro_rules! guarded {
+    ($self:expr, $pool:expr, $call:expr, $key:expr, $fingerprint:expr) => {{
+        let (provider, pool, call, key, fingerprint) = ($self, $pool, $call, $key, $fingerprint);
+        let name = provider.name.as_str();
+        let mut tx = pool.begin().await.map_err(|e| unavailable(name, &e))?;
+        let inserted = sqlx::query(
+            "INSERT INTO idem_effects (key, fingerprint, at) VALUES ($1, $2, $3) \
+             ON CONFLICT (key) DO NOTHING",
+        )
+        .bind(key)
+        .bind(fingerprint)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| classify_sql_error(&e, "guard").unwrap_or_else(|| unavailable(name, &e)))?
+        .rows_affected();
+        if inserted == 0 {
+            drop(tx);
+            let row: Option<(String, Option<String>)> =
+                sqlx::query_as("SELECT fingerprint, result_ref FROM idem_effects WHERE key = $1")
+                    .bind(key)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(|e| unavailable(name, &e))?;
+            return match row {
+                Some((stored, result_ref)) if stored == *fingerprint => {
+                    tracing::info!(
+                        result_ref = result_ref.as_deref().unwrap_or(""),
+                        "the guard row says this statement ran before: not run again"
+                    );
+                    Ok(Delivered { result_ref })
+                }
+                Some(_) => Err(Failure::host(
+                    Code::IdempotencyKeyConflict,
+                    format!(
+                        "the guard of {name:?} holds the key {key:?} for a different statement"
+                    ),
+                )),
+                None => Err(Failure::host(
+                    Code::SqlConflict,
+                    format!("the guard row of {key:?} was removed while it was read"),
+                )),
+            };
+        }
+        let result_ref = match tx.run_statement(call).await {
+            Ok(Ok(result_ref)) => result_ref,
+            Ok(Err(refused)) => return Err(refused),
+            Err(error) => return Err(unavailable(name, &error)),
+        };
+        if let Some(result_ref) = &result_ref {
+            sqlx::query("UPDATE idem_effects SET result_ref = $2 WHERE key = $1")
+                .bind(key)
+                .bind(result_ref)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| unavailable(name, &e))?;
+        }
+        failpoint::hit(Failpoint::AfterStatement)
+            .await
+            .map_err(|e| Failure::host(Code::SqlUnavailable, e.to_string()))?;
+        // Past this point the commit may have happened even when it reports
+        // an error: ambiguous, retried under the guard.
+        tx.commit().await.map_err(|e| {
+            Failure::host(
+                Code::SqlCommitUnknown,
+                format!("committing statement {:?}: {e}", call.name),
+            )
+        })?;
+        Ok(Delivered { result_ref })
+    }};
+}
+
+#[async_trait::async_trait]
+impl Provider for SqlProvider {
+    fn dedupe(&self) -> Dedupe {
+        // The ledger's own transaction, or the guard table, makes a second
+        // run of the same key a no-op.
+        Dedupe::Native {
+            window: GUARD_WINDOW,
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn check(&self, effect: &Effect) -> Result<(), Failure> {
+        self.call(effect).map(|_| ())
+    }
+
+    fn in_store_transaction(&self, effect: &Effect) -> Option<Result<StatementCall, Failure>> {
+        self.in_store().then(|| self.call(effect))
+    }
+
+    async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure> {
+        let call = self.call(effect)?;
+        let Target::Other { pool, guard_ready } = &self.target else {
+            return Err(Failure::host(
+                Code::UnsupportedAction,
+                "a statement on the store's own database runs in the store's transaction",
+            ));
+        };
+        ensure_guard(pool, guard_ready).await?;
+        let key = effect.idempotency_key.as_str();
+        let fingerprint = fingerprint(effect);
+        match pool {
+            OtherPool::Postgres(pool) => guarded!(self, pool, &call, key, &fingerprint),
+            OtherPool::Sqlite(pool) => guarded!(self, pool, &call, key, &fingerprint),
+        }
+    }
+}

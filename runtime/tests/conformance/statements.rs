@@ -1,0 +1,270 @@
+//! Statements of `sql` effects on the store's own database: the statement
+//! and the ledger's `succeeded` commit together or not at all.
+
+use super::*;
+use idem::store::{
+    BackendKind, EffectClaim, EffectFence, EffectStatus, StatementCall, StatementOutcome,
+    StatementParams,
+};
+use idem_sdk::SqlValue;
+
+/// A fresh key claimed by a worker holding a job.
+async fn fence(store: &Arc<dyn Store>, key: &str, worker: &str) -> EffectFence {
+    let params = claim_by(&hold(store, worker).await, key, LONG);
+    match store.effect_claim(params).await.unwrap() {
+        EffectClaim::Claimed { fence } => fence,
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+async fn run(
+    store: &Arc<dyn Store>,
+    fence: EffectFence,
+    sql: &str,
+    params: Vec<SqlValue>,
+) -> StatementOutcome {
+    store
+        .effect_succeed_with_statement(StatementParams {
+            fence,
+            call: StatementCall::new("s", sql, params),
+        })
+        .await
+        .unwrap()
+}
+
+/// Runs `sql` under a fresh key and expects it applied; returns its ref.
+async fn applied(
+    store: &Arc<dyn Store>,
+    key: &str,
+    sql: &str,
+    params: Vec<SqlValue>,
+) -> Option<String> {
+    let fence = fence(store, key, "setup").await;
+    match run(store, fence, sql, params).await {
+        StatementOutcome::Applied { result_ref } => result_ref,
+        other => panic!("{sql}: {other:?}"),
+    }
+}
+
+/// The business table, created through the store's own statement path.
+async fn invoices(store: &Arc<dyn Store>) {
+    let id = match store.backend() {
+        BackendKind::Postgres => "id BIGSERIAL PRIMARY KEY",
+        BackendKind::Sqlite => "id INTEGER PRIMARY KEY",
+    };
+    let ddl = format!(
+        "CREATE TABLE invoices ({id}, order_id TEXT NOT NULL UNIQUE, \
+         amount_cents BIGINT NOT NULL, paid BOOLEAN, note TEXT)"
+    );
+    applied(store, "setup:ddl", &ddl, vec![]).await;
+}
+
+/// How many invoice rows there are (read through a statement as well).
+async fn count(store: &Arc<dyn Store>, key: &str) -> String {
+    applied(
+        store,
+        key,
+        "SELECT CAST(count(*) AS TEXT) FROM invoices",
+        vec![],
+    )
+    .await
+    .unwrap_or_default()
+}
+
+const CREATE: &str = "INSERT INTO invoices (order_id, amount_cents, paid) VALUES ($1, $2, $3) \
+                      ON CONFLICT (order_id) DO NOTHING RETURNING id";
+
+pub async fn statement_commits_with_its_ledger_row(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    let fence = fence(&store, "order:1:invoice", "w").await;
+    let outcome = run(
+        &store,
+        fence.clone(),
+        CREATE,
+        vec!["o-1".into(), 1250.into(), true.into()],
+    )
+    .await;
+    let StatementOutcome::Applied {
+        result_ref: Some(id),
+    } = outcome
+    else {
+        panic!("expected an invoice id, got {outcome:?}");
+    };
+    let row = store.effect_get("order:1:invoice").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Succeeded);
+    assert_eq!(
+        row.result_ref.as_deref(),
+        Some(id.as_str()),
+        "the id from RETURNING"
+    );
+    assert_eq!(count(&store, "read:1").await, "1");
+
+    // Done: the same claim again is fenced out and runs nothing.
+    assert_eq!(
+        run(
+            &store,
+            fence,
+            CREATE,
+            vec!["o-1b".into(), 1.into(), true.into()]
+        )
+        .await,
+        StatementOutcome::FencedOut
+    );
+    assert_eq!(
+        count(&store, "read:2").await,
+        "1",
+        "the stale run inserted nothing"
+    );
+    // A statement that changes nothing is a success without a reference.
+    let again = applied(
+        &store,
+        "order:1:again",
+        CREATE,
+        vec!["o-1".into(), 1250.into(), true.into()],
+    )
+    .await;
+    assert_eq!(again, None);
+    assert_eq!(count(&store, "read:3").await, "1");
+}
+
+pub async fn statement_of_a_stale_claim_runs_nothing(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    let stale = fence(&store, "order:2:invoice", "a").await;
+    let taken_over = EffectFence {
+        attempt: stale.attempt + 1,
+        ..stale.clone()
+    };
+    assert_eq!(
+        run(
+            &store,
+            taken_over,
+            CREATE,
+            vec!["o-2".into(), 5.into(), false.into()]
+        )
+        .await,
+        StatementOutcome::FencedOut,
+        "a fence that does not match the row runs nothing"
+    );
+    assert_eq!(count(&store, "read").await, "0");
+    let row = store.effect_get("order:2:invoice").await.unwrap().unwrap();
+    assert_eq!(
+        row.status,
+        EffectStatus::Processing,
+        "the real claim is untouched"
+    );
+}
+
+pub async fn refused_statement_rolls_back_the_ledger_mark(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    applied(
+        &store,
+        "setup:o-3",
+        CREATE,
+        vec!["o-3".into(), 1.into(), true.into()],
+    )
+    .await;
+    // No ON CONFLICT: the business constraint refuses a second row.
+    let fence = fence(&store, "order:3:invoice", "w").await;
+    let outcome = run(
+        &store,
+        fence,
+        "INSERT INTO invoices (order_id, amount_cents) VALUES ($1, $2)",
+        vec!["o-3".into(), 2.into()],
+    )
+    .await;
+    let StatementOutcome::Refused(failure) = outcome else {
+        panic!("expected a refusal, got {outcome:?}");
+    };
+    assert_eq!(failure.code, "sql_constraint_violation", "{failure:?}");
+    assert_eq!(failure.class, ErrorClass::Permanent);
+    let row = store.effect_get("order:3:invoice").await.unwrap().unwrap();
+    assert_eq!(
+        row.status,
+        EffectStatus::Processing,
+        "the succeeded mark was rolled back with the statement"
+    );
+    assert_eq!(count(&store, "read").await, "1");
+}
+
+pub async fn statement_parameters_are_checked_and_bound(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    // Too few values: refused before anything runs.
+    let fence_a = fence(&store, "order:4:a", "w").await;
+    let StatementOutcome::Refused(failure) = run(&store, fence_a, CREATE, vec!["o-4".into()]).await
+    else {
+        panic!("a missing parameter is refused");
+    };
+    assert_eq!(failure.code, "sql_params_invalid", "{failure:?}");
+
+    // A hostile value stays a value.
+    let hostile = "o-5'); DROP TABLE invoices; --";
+    applied(
+        &store,
+        "order:5:invoice",
+        "INSERT INTO invoices (order_id, amount_cents, note) VALUES ($1, $2, $3) RETURNING order_id",
+        vec![hostile.into(), 3.into(), SqlValue::Null],
+    )
+    .await
+    .filter(|stored| stored == hostile)
+    .expect("the text is stored as it was sent");
+    assert_eq!(
+        count(&store, "read:1").await,
+        "1",
+        "the table is still there"
+    );
+
+    if store.backend() == BackendKind::Postgres {
+        // PostgreSQL knows each placeholder's type: text for a bigint is refused.
+        let fence_b = fence(&store, "order:6:a", "w").await;
+        let StatementOutcome::Refused(failure) = run(
+            &store,
+            fence_b,
+            CREATE,
+            vec!["o-6".into(), "twelve".into(), true.into()],
+        )
+        .await
+        else {
+            panic!("a text for a bigint is refused");
+        };
+        assert_eq!(failure.code, "sql_params_invalid", "{failure:?}");
+        assert!(failure.message.contains("$2"), "{}", failure.message);
+        // A numeric and a JSON value go as their own types.
+        applied(
+            &store,
+            "setup:typed",
+            "CREATE TABLE typed (amount NUMERIC(12, 2), doc JSONB)",
+            vec![],
+        )
+        .await;
+        let amount = applied(
+            &store,
+            "order:7:typed",
+            "INSERT INTO typed (amount, doc) VALUES ($1, $2) RETURNING amount",
+            vec![
+                SqlValue::Numeric("12.50".into()),
+                SqlValue::Json(serde_json::json!({"a": 1})),
+            ],
+        )
+        .await;
+        assert_eq!(amount.as_deref(), Some("12.50"));
+    }
+    assert_eq!(count(&store, "read:2").await, "1");
+}
+
+pub async fn statement_the_database_cannot_run_is_permanent(store: Arc<dyn Store>) {
+    let fence = fence(&store, "order:8:invoice", "w").await;
+    let StatementOutcome::Refused(failure) = run(
+        &store,
+        fence,
+        "INSERT INTO no_such_table (x) VALUES ($1)",
+        vec![1.into()],
+    )
+    .await
+    else {
+        panic!("an unknown table is refused");
+    };
+    assert_eq!(failure.code, "sql_statement_invalid", "{failure:?}");
+    assert_eq!(failure.class, ErrorClass::Permanent);
+    let row = store.effect_get("order:8:invoice").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Processing);
+}
