@@ -399,3 +399,117 @@ impl Provider for SqlProvider {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_sdk::SqlValue;
+
+    fn config(text: &str) -> ProviderConfig {
+        toml::from_str(text).expect("config")
+    }
+
+    fn provider() -> SqlProvider {
+        SqlProvider::from_config(
+            "billing_db",
+            &config(
+                "kind = \"sql\"\nstatements.create_invoice = \"INSERT INTO invoices VALUES ($1, $2)\"",
+            ),
+            "sqlite://idem.db",
+        )
+        .expect("provider")
+    }
+
+    fn effect(body: Vec<u8>) -> Effect {
+        Effect {
+            provider: "billing_db".into(),
+            idempotency_key: "p/order:1".into(),
+            action: Action::Custom { body },
+        }
+    }
+
+    fn call(statement: &str, params: Vec<SqlValue>) -> Vec<u8> {
+        SqlCall {
+            statement: statement.into(),
+            params,
+        }
+        .to_body()
+    }
+
+    #[test]
+    fn configurations_that_cannot_work_are_refused_at_start() {
+        let refused = |text: &str| {
+            SqlProvider::from_config("db", &config(text), "sqlite://idem.db")
+                .err()
+                .unwrap_or_else(|| panic!("accepted: {text}"))
+        };
+        assert!(refused("kind = \"sql\"").contains("at least one statement"));
+        assert!(refused("kind = \"sql\"\nstatements.a = \"  \"").contains("empty"));
+        assert!(
+            refused("kind = \"sql\"\nbase_url = \"http://x\"\nstatements.a = \"SELECT 1\"")
+                .contains("base_url")
+        );
+        assert!(
+            refused("kind = \"sql\"\nurl = \"mysql://x\"\nstatements.a = \"SELECT 1\"")
+                .contains("postgres://")
+        );
+    }
+
+    #[test]
+    fn the_stores_own_database_is_recognised() {
+        assert!(provider().in_store(), "no url");
+        let same = SqlProvider::from_config(
+            "db",
+            &config("kind = \"sql\"\nurl = \"store\"\nstatements.a = \"SELECT 1\""),
+            "sqlite://idem.db",
+        )
+        .unwrap();
+        assert!(same.in_store(), "url = \"store\"");
+    }
+
+    #[test]
+    fn only_a_declared_statement_with_its_parameters_is_accepted() {
+        let p = provider();
+        let ok = p
+            .call(&effect(call(
+                "create_invoice",
+                vec!["o-1".into(), 5.into()],
+            )))
+            .unwrap();
+        assert_eq!(ok.sql, "INSERT INTO invoices VALUES ($1, $2)");
+        assert_eq!(ok.params.len(), 2);
+        let code = |body: Vec<u8>| p.call(&effect(body)).unwrap_err().code;
+        assert_eq!(code(call("drop_all", vec![])), "sql_statement_unknown");
+        assert_eq!(
+            code(b"DROP TABLE invoices".to_vec()),
+            "sql_statement_unknown"
+        );
+        assert_eq!(
+            code(br#"{"statement":"create_invoice","sql":"DROP TABLE invoices"}"#.to_vec()),
+            "sql_statement_unknown"
+        );
+        assert_eq!(
+            code(call("create_invoice", vec!["o-1".into()])),
+            "sql_params_invalid"
+        );
+        assert_eq!(
+            code(call(
+                "create_invoice",
+                vec!["o-1".into(), SqlValue::Numeric("1e9".into())]
+            )),
+            "sql_params_invalid"
+        );
+        let email = Effect {
+            action: Action::Email {
+                to: vec!["a@b.c".into()],
+                subject: String::new(),
+                text: None,
+                html: None,
+                template: None,
+            },
+            ..effect(vec![])
+        };
+        assert_eq!(p.call(&email).unwrap_err().code, "unsupported_action");
+        assert!(p.in_store_transaction(&email).is_some_and(|c| c.is_err()));
+    }
+}

@@ -690,7 +690,12 @@ impl Store for SqlStore {
             } else {
                 match tx.run_statement(&params.call).await? {
                     Err(refused) => {
-                        tx.rollback().await?;
+                        // SQLite rolls an interrupted statement's transaction
+                        // back itself; a rollback then finds none, which is
+                        // the state wanted.
+                        if let Err(error) = tx.rollback().await {
+                            tracing::debug!(%error, "rollback after a refused statement");
+                        }
                         StatementOutcome::Refused(refused)
                     }
                     Ok(result_ref) => {

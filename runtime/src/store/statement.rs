@@ -129,22 +129,42 @@ impl RunStatement for SqliteConnection {
         for value in &call.params {
             query = bind_sqlite(query, value);
         }
-        // SQLite has no statement timeout of its own: the statement is
-        // abandoned at the deadline and its transaction rolled back.
-        match tokio::time::timeout(call.timeout, query.fetch_optional(&mut *self)).await {
-            Err(_) => Ok(Err(Failure::host(
-                Code::SqlTimeout,
-                format!(
-                    "statement {:?} ran longer than {}",
-                    call.name,
-                    humantime::format_duration(call.timeout)
-                ),
-            ))),
-            Ok(Ok(row)) => Ok(row
+        // SQLite has no statement timeout of its own: a progress handler
+        // interrupts the statement at the deadline (SQLITE_INTERRUPT), so a
+        // runaway statement gives the one writer connection back at once.
+        let deadline = std::time::Instant::now() + call.timeout;
+        self.lock_handle()
+            .await?
+            .set_progress_handler(1_000, move || std::time::Instant::now() < deadline);
+        let result = query.fetch_optional(&mut *self).await;
+        self.lock_handle().await?.remove_progress_handler();
+        match result {
+            Ok(row) => Ok(row
                 .map(|row| sqlite_result_ref(&row, call))
                 .transpose()
                 .map(Option::flatten)),
-            Ok(Err(error)) => refused_or(error, call),
+            Err(error) => {
+                let interrupted = matches!(&error, sqlx::Error::Database(db)
+                    if db.code().is_some_and(|c| c.parse::<u32>().unwrap_or(0) & 0xff == 9));
+                if interrupted {
+                    // An interrupted write rolls its whole transaction back
+                    // in SQLite, behind sqlx's back: open an empty one again
+                    // so the caller's rollback finds it (when the transaction
+                    // survived, this BEGIN fails and changes nothing).
+                    if let Err(error) = sqlx::query("BEGIN").execute(&mut *self).await {
+                        tracing::debug!(%error, "the interrupted transaction is still open");
+                    }
+                    return Ok(Err(Failure::host(
+                        Code::SqlTimeout,
+                        format!(
+                            "statement {:?} ran longer than {} and was interrupted",
+                            call.name,
+                            humantime::format_duration(call.timeout)
+                        ),
+                    )));
+                }
+                refused_or(error, call)
+            }
         }
     }
 }

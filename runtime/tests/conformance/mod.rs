@@ -132,6 +132,7 @@ macro_rules! conformance_suite {
             statements::refused_statement_rolls_back_the_ledger_mark,
             statements::statement_parameters_are_checked_and_bound,
             statements::statement_the_database_cannot_run_is_permanent,
+            statements::statement_past_its_timeout_is_rolled_back_and_retryable,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {

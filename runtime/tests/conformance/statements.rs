@@ -268,3 +268,39 @@ pub async fn statement_the_database_cannot_run_is_permanent(store: Arc<dyn Store
     let row = store.effect_get("order:8:invoice").await.unwrap().unwrap();
     assert_eq!(row.status, EffectStatus::Processing);
 }
+
+pub async fn statement_past_its_timeout_is_rolled_back_and_retryable(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    let fence = fence(&store, "order:9:invoice", "w").await;
+    // A statement that writes, then runs long.
+    let slow = match store.backend() {
+        BackendKind::Postgres => {
+            "WITH ins AS (INSERT INTO invoices (order_id, amount_cents) VALUES ($1, 1) RETURNING id) \
+             SELECT id FROM ins, pg_sleep(5)"
+        }
+        BackendKind::Sqlite => {
+            "INSERT INTO invoices (order_id, amount_cents) \
+             SELECT $1, (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 300000000) \
+             SELECT count(*) FROM c) RETURNING id"
+        }
+    };
+    let outcome = store
+        .effect_succeed_with_statement(StatementParams {
+            fence,
+            call: StatementCall {
+                timeout: Duration::from_millis(300),
+                ..StatementCall::new("slow", slow, vec!["o-9".into()])
+            },
+        })
+        .await
+        .unwrap();
+    let StatementOutcome::Refused(failure) = outcome else {
+        panic!("expected a timeout, got {outcome:?}");
+    };
+    assert_eq!(failure.code, "sql_timeout", "{failure:?}");
+    assert_eq!(failure.class, ErrorClass::Retryable);
+    let row = store.effect_get("order:9:invoice").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Processing, "rolled back");
+    // The store works on after the abandoned statement.
+    assert_eq!(count(&store, "read").await, "0");
+}
