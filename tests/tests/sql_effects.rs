@@ -168,7 +168,10 @@ async fn every_order_twice_one_row_in_the_stores_own_database(backend: Backend) 
         }
     }
     h.store.job_insert(order("o-neg", -1)).await.unwrap();
-    let stats = h.drain_with(providers(&h, None)).await;
+    // Without ON CONFLICT: a second run of a statement would dead-letter its job.
+    let stats = h
+        .drain_with(providers_with(&h, None, CREATE_INVOICE_ONCE))
+        .await;
     assert_eq!(stats.succeeded, 10, "{stats:?}");
     assert_eq!(count(&h.url, "SELECT count(*) FROM invoices").await, 5);
     assert_eq!(
@@ -221,7 +224,9 @@ async fn another_database_keeps_a_guard_row_per_key(backend: Backend) {
                 .unwrap();
         }
     }
-    let stats = h.drain_with(providers(&h, Some(&billing.url))).await;
+    let stats = h
+        .drain_with(providers_with(&h, Some(&billing.url), CREATE_INVOICE_ONCE))
+        .await;
     assert_eq!(stats.succeeded, 6, "{stats:?}");
     assert_eq!(
         count(&billing.url, "SELECT count(*) FROM invoices").await,
@@ -250,16 +255,31 @@ async fn another_database_keeps_a_guard_row_per_key(backend: Backend) {
 }
 
 async fn concurrent_redeliveries_write_one_row(backend: Backend) {
+    concurrent_redeliveries(backend, false).await;
+}
+
+async fn concurrent_redeliveries_through_the_guard_write_one_row(backend: Backend) {
+    concurrent_redeliveries(backend, true).await;
+}
+
+async fn concurrent_redeliveries(backend: Backend, other: bool) {
     let h = Harness::new(backend).await;
-    create_invoices_table(&h.url).await;
+    let billing = other_db(backend).await;
+    let url = if other {
+        billing.url.clone()
+    } else {
+        h.url.clone()
+    };
+    create_invoices_table(&url).await;
     for _ in 0..6 {
         h.store.job_insert(order("o-7", 700)).await.unwrap();
     }
+    let billing_url = other.then_some(url.as_str());
     let worker = |id: &str| {
         idem::queue::Worker::new(
             h.store.clone(),
             h.registry.clone(),
-            providers(&h, None),
+            providers_with(&h, billing_url, CREATE_INVOICE_ONCE),
             h.settings(id),
         )
         .run(tokio_util::sync::CancellationToken::new())
@@ -271,7 +291,7 @@ async fn concurrent_redeliveries_write_one_row(backend: Backend) {
     .expect("both workers drain within 60 s");
     let (a, b) = (a.unwrap(), b.unwrap());
     assert_eq!(a.succeeded + b.succeeded, 6, "{a:?} {b:?}");
-    assert_eq!(count(&h.url, "SELECT count(*) FROM invoices").await, 1);
+    assert_eq!(count(&url, "SELECT count(*) FROM invoices").await, 1);
     assert_eq!(
         h.provider.applied("create_invoice/order:o-7:invoice-email"),
         1
@@ -531,6 +551,65 @@ both_backends!(
     every_order_twice_one_row_in_the_stores_own_database,
     another_database_keeps_a_guard_row_per_key,
     concurrent_redeliveries_write_one_row,
+    concurrent_redeliveries_through_the_guard_write_one_row,
     hostile_plugins_cannot_run_sql_of_their_own,
     a_business_constraint_the_statement_does_not_handle_is_permanent,
 );
+
+/// The application's role may read and write rows but not create tables:
+/// the guard table is made once by `idem migrate --provider` (here: the
+/// provider's `migrate` as the owner), and the runtime then only uses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_role_without_create_rights_uses_the_migrated_guard_table() {
+    let h = Harness::new(Backend::Postgres).await;
+    let billing = other_db(Backend::Postgres).await;
+    create_invoices_table(&billing.url).await;
+    let schema = billing
+        .url
+        .rsplit("search_path%3D")
+        .next()
+        .unwrap()
+        .to_string();
+    let owner: ProviderConfig =
+        toml::from_str(&billing_toml_with(Some(&billing.url), CREATE_INVOICE_ONCE)).unwrap();
+    let migrated = idem::providers::sql::SqlProvider::from_config("billing_db", &owner, &h.url)
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    assert!(migrated, "the guard table is made in the other database");
+    let role = format!("idem_app_{}", hex::encode(rand::random::<[u8; 4]>()));
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA {schema} TO {role}"),
+        format!("GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA {schema} TO {role}"),
+        format!("GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}"),
+    ] {
+        exec(&idem_tests::database_url(), &sql).await;
+    }
+    let app_url = billing.url.replace("postgres@", &format!("{role}@"));
+    assert_ne!(app_url, billing.url);
+    h.store.job_insert(order("o-1", 100)).await.unwrap();
+    h.store.job_insert(order("o-1", 100)).await.unwrap();
+    let stats = h
+        .drain_with(providers_with(&h, Some(&app_url), CREATE_INVOICE_ONCE))
+        .await;
+    for sql in [
+        format!("REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {role}"),
+        format!("REVOKE ALL ON ALL SEQUENCES IN SCHEMA {schema} FROM {role}"),
+        format!("REVOKE ALL ON SCHEMA {schema} FROM {role}"),
+        format!("DROP ROLE {role}"),
+    ] {
+        exec(&idem_tests::database_url(), &sql).await;
+    }
+    assert_eq!(stats.succeeded, 2, "{stats:?}");
+    assert!(dead_codes(&h).await.is_empty());
+    assert_eq!(
+        count(&billing.url, "SELECT count(*) FROM invoices").await,
+        1
+    );
+    assert_eq!(
+        count(&billing.url, "SELECT count(*) FROM idem_effects").await,
+        1
+    );
+}

@@ -22,7 +22,7 @@ use super::{Dedupe, Delivered, Provider};
 use crate::effects::{Action, Effect, fingerprint};
 use crate::failpoint::{self, Failpoint};
 use crate::failure::{Code, Failure};
-use crate::store::{RunStatement, StatementCall, classify_sql_error, placeholder_count};
+use crate::store::{RunStatement, StatementCall, classify_sql_error, declared_statement};
 use idem_sdk::sql::SqlCall;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
@@ -76,6 +76,7 @@ enum OtherPool {
 /// ```
 pub struct SqlProvider {
     name: String,
+    postgres: bool,
     statements: BTreeMap<String, Declared>,
     target: Target,
     timeout: Duration,
@@ -107,11 +108,13 @@ impl SqlProvider {
             if sql.trim().is_empty() {
                 return Err(format!("statement {statement:?} is empty"));
             }
+            let params =
+                declared_statement(sql).map_err(|why| format!("statement {statement:?}: {why}"))?;
             statements.insert(
                 statement.clone(),
                 Declared {
                     sql: sql.clone(),
-                    params: placeholder_count(sql),
+                    params,
                 },
             );
         }
@@ -123,12 +126,26 @@ impl SqlProvider {
                 guard_ready: OnceCell::new(),
             },
         };
+        let postgres = matches!(
+            &target,
+            Target::Other {
+                pool: OtherPool::Postgres(_),
+                ..
+            }
+        );
         Ok(SqlProvider {
             name: name.to_string(),
+            postgres,
             statements,
             target,
             timeout: config.timeout,
         })
+    }
+
+    /// The longest one call may take: the statement, the guard row's lock
+    /// wait and the commit.
+    fn call_bound(&self) -> Duration {
+        self.timeout * 2 + Duration::from_secs(5)
     }
 
     /// Whether the statements run in the store's own transactions.
@@ -232,12 +249,12 @@ fn open_pool(url: &str, config: &ProviderConfig) -> Result<OtherPool, String> {
             .map_err(|e| format!("url: {e}"))?;
         Ok(OtherPool::Postgres(pool))
     } else if url.starts_with("sqlite:") {
+        // The application's file as it is: not created when missing (a
+        // typo would write invoices to a new empty file), its journal mode
+        // left alone.
         let options = SqliteConnectOptions::from_str(url)
             .map_err(|e| format!("url: {e}"))?
-            .create_if_missing(true)
-            .busy_timeout(config.timeout)
-            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-            .synchronous(sqlx::sqlite::SqliteSynchronous::Full);
+            .busy_timeout(config.timeout);
         let pool = SqlitePoolOptions::new()
             .max_connections(size)
             .acquire_timeout(config.timeout)
@@ -258,24 +275,53 @@ fn unavailable(provider: &str, error: &sqlx::Error) -> Failure {
     )
 }
 
+/// Whether the guard table exists, read from the catalog: creating it needs
+/// a right the application's role may lack (CREATE on the schema), and
+/// several nodes starting at once would race for it.
+const GUARD_EXISTS_PG: &str = "SELECT to_regclass('idem_effects') IS NOT NULL";
+const GUARD_EXISTS_SQLITE: &str =
+    "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'idem_effects')";
+
 async fn ensure_guard(pool: &OtherPool, ready: &OnceCell<()>) -> Result<(), Failure> {
     ready
         .get_or_try_init(|| async {
             let result = match pool {
-                OtherPool::Postgres(pool) => {
-                    sqlx::query(GUARD_TABLE_DDL).execute(pool).await.map(|_| ())
-                }
-                OtherPool::Sqlite(pool) => {
-                    sqlx::query(GUARD_TABLE_DDL).execute(pool).await.map(|_| ())
-                }
+                OtherPool::Postgres(pool) => guard_table_pg(pool).await,
+                OtherPool::Sqlite(pool) => guard_table_sqlite(pool).await,
             };
-            result.map(|_| ()).map_err(|e| {
-                classify_sql_error(&e, "create the guard table")
-                    .unwrap_or_else(|| unavailable("guard", &e))
+            // A guard that cannot be set up now may be set up later (by an
+            // operator's `idem migrate --provider`): retryable, never a
+            // statement's fault.
+            result.map_err(|e| {
+                Failure::host(
+                    Code::SqlUnavailable,
+                    format!(
+                        "the guard table idem_effects cannot be read or created ({e}); \
+                         create it with `idem migrate --provider NAME` as a role that may"
+                    ),
+                )
             })
         })
         .await
         .map(|_| ())
+}
+
+async fn guard_table_pg(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let present: bool = sqlx::query_scalar(GUARD_EXISTS_PG).fetch_one(pool).await?;
+    if !present {
+        sqlx::query(GUARD_TABLE_DDL).execute(pool).await?;
+    }
+    Ok(())
+}
+
+async fn guard_table_sqlite(pool: &SqlitePool) -> Result<(), sqlx::Error> {
+    let present: bool = sqlx::query_scalar(GUARD_EXISTS_SQLITE)
+        .fetch_one(pool)
+        .await?;
+    if !present {
+        sqlx::query(GUARD_TABLE_DDL).execute(pool).await?;
+    }
+    Ok(())
 }
 
 fn now_ms() -> i64 {
@@ -293,6 +339,20 @@ macro_rules! guarded {
         let (provider, pool, call, key, fingerprint) = ($self, $pool, $call, $key, $fingerprint);
         let name = provider.name.as_str();
         let mut tx = pool.begin().await.map_err(|e| unavailable(name, &e))?;
+        if provider.postgres {
+            // Waiting for another holder's uncommitted guard row (a stale or
+            // paused worker) is bounded as the statement is.
+            let ms = call.timeout.as_millis();
+            for limit in [
+                format!("SET LOCAL statement_timeout = {ms}"),
+                format!("SET LOCAL lock_timeout = {ms}"),
+            ] {
+                sqlx::query(&limit)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| unavailable(name, &e))?;
+            }
+        }
         let inserted = sqlx::query(
             "INSERT INTO idem_effects (key, fingerprint, at) VALUES ($1, $2, $3) \
              ON CONFLICT (key) DO NOTHING",
@@ -350,14 +410,34 @@ macro_rules! guarded {
             .map_err(|e| Failure::host(Code::SqlUnavailable, e.to_string()))?;
         // Past this point the commit may have happened even when it reports
         // an error: ambiguous, retried under the guard.
-        tx.commit().await.map_err(|e| {
-            Failure::host(
-                Code::SqlCommitUnknown,
-                format!("committing statement {:?}: {e}", call.name),
-            )
-        })?;
+        tx.commit()
+            .await
+            .map_err(|e| match classify_sql_error(&e, &call.name) {
+                // The server answered: it rolled back (a deferred constraint, a
+                // serialization failure), so the outcome is known.
+                Some(refused) if matches!(e, sqlx::Error::Database(_)) => refused,
+                _ => Failure::host(
+                    Code::SqlCommitUnknown,
+                    format!("committing statement {:?}: {e}", call.name),
+                ),
+            })?;
         Ok(Delivered { result_ref })
     }};
+}
+
+impl SqlProvider {
+    async fn run_guarded(
+        &self,
+        pool: &OtherPool,
+        call: &StatementCall,
+        key: &str,
+        fingerprint: &String,
+    ) -> Result<Delivered, Failure> {
+        match pool {
+            OtherPool::Postgres(pool) => guarded!(self, pool, call, key, fingerprint),
+            OtherPool::Sqlite(pool) => guarded!(self, pool, call, key, fingerprint),
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -371,7 +451,7 @@ impl Provider for SqlProvider {
     }
 
     fn timeout(&self) -> Duration {
-        self.timeout
+        self.call_bound()
     }
 
     fn check(&self, effect: &Effect) -> Result<(), Failure> {
@@ -393,9 +473,21 @@ impl Provider for SqlProvider {
         ensure_guard(pool, guard_ready).await?;
         let key = effect.idempotency_key.as_str();
         let fingerprint = fingerprint(effect);
-        match pool {
-            OtherPool::Postgres(pool) => guarded!(self, pool, &call, key, &fingerprint),
-            OtherPool::Sqlite(pool) => guarded!(self, pool, &call, key, &fingerprint),
+        // The whole call is bounded (a commit that hangs on a dead
+        // connection included); past the bound the outcome is unknown, and
+        // the guard makes the retry safe.
+        let bound = self.call_bound();
+        let run = self.run_guarded(pool, &call, key, &fingerprint);
+        match tokio::time::timeout(bound, run).await {
+            Ok(result) => result,
+            Err(_) => Err(Failure::host(
+                Code::SqlCommitUnknown,
+                format!(
+                    "statement {:?} did not finish within {}: it may have committed",
+                    call.name,
+                    humantime::format_duration(bound)
+                ),
+            )),
         }
     }
 }

@@ -48,7 +48,9 @@ pub use model::*;
 pub use queries::Clock;
 pub use sql::SqlStore;
 pub(crate) use statement::RunStatement;
-pub use statement::{StatementCall, StatementOutcome, classify_sql_error, placeholder_count};
+pub use statement::{
+    StatementCall, StatementOutcome, classify_sql_error, declared_statement, placeholder_count,
+};
 
 use std::sync::Arc;
 use std::time::Duration;

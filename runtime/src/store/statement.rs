@@ -132,10 +132,21 @@ impl RunStatement for SqliteConnection {
         // SQLite has no statement timeout of its own: a progress handler
         // interrupts the statement at the deadline (SQLITE_INTERRUPT), so a
         // runaway statement gives the one writer connection back at once.
-        let deadline = std::time::Instant::now() + call.timeout;
+        // The deadline lives in a shared cell that a drop guard clears: if
+        // this future is dropped before the handler is removed, the handler
+        // left on the connection never interrupts anything again.
+        let deadline = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
+            u64::try_from(call.timeout.as_millis()).unwrap_or(u64::MAX),
+        ));
+        let started = std::time::Instant::now();
+        let cell = deadline.clone();
         self.lock_handle()
             .await?
-            .set_progress_handler(1_000, move || std::time::Instant::now() < deadline);
+            .set_progress_handler(1_000, move || {
+                let limit = cell.load(std::sync::atomic::Ordering::Relaxed);
+                u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX) < limit
+            });
+        let _disarm = Disarm(deadline);
         let result = query.fetch_optional(&mut *self).await;
         self.lock_handle().await?.remove_progress_handler();
         match result {
@@ -166,6 +177,15 @@ impl RunStatement for SqliteConnection {
                 refused_or(error, call)
             }
         }
+    }
+}
+
+/// Clears a progress handler's deadline when dropped (see above).
+struct Disarm(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for Disarm {
+    fn drop(&mut self) {
+        self.0.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -265,23 +285,30 @@ fn classify(error: &sqlx::Error, statement: &str) -> Option<Failure> {
         match sqlstate.as_str() {
             "40001" | "40P01" | "55P03" => Code::SqlConflict,
             "57014" => Code::SqlTimeout,
-            s if s.starts_with("08") || s.starts_with("53") || s.starts_with("57P") => {
+            // A read-only standby during failover, an idle-in-transaction
+            // timeout: the database, not the statement.
+            s if s.starts_with("08")
+                || s.starts_with("53")
+                || s.starts_with("57P")
+                || s.starts_with("25") =>
+            {
                 Code::SqlUnavailable
             }
             s if s.starts_with("23") => Code::SqlConstraintViolation,
-            s if s.starts_with("22") => Code::SqlParamsInvalid,
-            s if s.starts_with("42") || s.starts_with("0A") || s.starts_with("25") => {
-                Code::SqlStatementInvalid
-            }
+            s if s.starts_with("22") || s == "54000" => Code::SqlParamsInvalid,
+            // "cached plan must not change result type" after an ALTER TABLE.
+            "0A000" if message.contains("cached plan") => Code::SqlFailed,
+            s if s.starts_with("42") || s.starts_with("0A") => Code::SqlStatementInvalid,
             _ => Code::SqlFailed,
         }
     } else {
         // SQLite's (extended) result codes.
         match sqlstate.parse::<u32>().unwrap_or(0) & 0xff {
             5 | 6 => Code::SqlConflict,
+            8 | 10 | 13 | 14 => Code::SqlUnavailable,
             19 => Code::SqlConstraintViolation,
-            20 | 25 => Code::SqlParamsInvalid,
-            1 | 8 => Code::SqlStatementInvalid,
+            18 | 20 | 25 => Code::SqlParamsInvalid,
+            1 => Code::SqlStatementInvalid,
             _ => Code::SqlFailed,
         }
     };
@@ -314,12 +341,10 @@ fn bind_pg<'q>(
     };
     let out_of_range = |v: i64| Err(format!("{v} is out of range for {}", name.to_lowercase()));
     Ok(match (name, value) {
-        ("TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "UNKNOWN", SqlValue::Text(t)) => {
+        ("TEXT" | "VARCHAR" | "BPCHAR" | "CHAR" | "NAME" | "UNKNOWN", SqlValue::Text(t)) => {
             query.bind(t.clone())
         }
-        ("TEXT" | "VARCHAR" | "BPCHAR" | "NAME" | "UNKNOWN", SqlValue::Null) => {
-            query.bind(None::<String>)
-        }
+
         ("INT8", SqlValue::Integer(v)) => query.bind(*v),
         ("INT4", SqlValue::Integer(v)) => match i32::try_from(*v) {
             Ok(v) => query.bind(v),
@@ -332,27 +357,30 @@ fn bind_pg<'q>(
         ("INT8", SqlValue::Null) => query.bind(None::<i64>),
         ("INT4", SqlValue::Null) => query.bind(None::<i32>),
         ("INT2", SqlValue::Null) => query.bind(None::<i16>),
-        ("NUMERIC", SqlValue::Numeric(text)) => match text.parse::<rust_decimal::Decimal>() {
+        ("NUMERIC", SqlValue::Numeric(text)) => match rust_decimal::Decimal::from_str_exact(text) {
             Ok(d) => query.bind(d),
             Err(e) => return Err(format!("{text:?} is not a decimal this host can send: {e}")),
         },
         ("NUMERIC", SqlValue::Integer(v)) => query.bind(rust_decimal::Decimal::from(*v)),
         ("NUMERIC", SqlValue::Null) => query.bind(None::<rust_decimal::Decimal>),
-        // An integer is exact in a double up to 2^53; larger ones are refused.
-        ("FLOAT8" | "FLOAT4", SqlValue::Integer(v)) if v.unsigned_abs() <= 1 << 53 => {
-            query.bind(*v as f64)
-        }
+        // An integer is exact in a double up to 2^53 (a float up to 2^24);
+        // larger ones are refused.
+        ("FLOAT8", SqlValue::Integer(v)) if v.unsigned_abs() <= 1 << 53 => query.bind(*v as f64),
+        ("FLOAT4", SqlValue::Integer(v)) if v.unsigned_abs() <= 1 << 24 => query.bind(*v as f32),
         ("FLOAT8", SqlValue::Numeric(text)) => match text.parse::<f64>() {
             Ok(f) => query.bind(f),
             Err(e) => return Err(format!("{text:?}: {e}")),
         },
-        ("FLOAT8" | "FLOAT4", SqlValue::Null) => query.bind(None::<f64>),
+        ("FLOAT8", SqlValue::Null) => query.bind(None::<f64>),
+        ("FLOAT4", SqlValue::Null) => query.bind(None::<f32>),
         ("BOOL", SqlValue::Boolean(b)) => query.bind(*b),
         ("BOOL", SqlValue::Null) => query.bind(None::<bool>),
         ("JSON" | "JSONB", SqlValue::Json(v)) => query.bind(sqlx::types::Json(v.clone())),
         ("JSON" | "JSONB", SqlValue::Null) => {
             query.bind(None::<sqlx::types::Json<serde_json::Value>>)
         }
+        // NULL fits every other type; a NULL carries no bytes to misread.
+        (_, SqlValue::Null) => query.bind(None::<String>),
         _ => return refuse(),
     })
 }
@@ -401,10 +429,16 @@ fn pg_result_ref(row: &PgRow, call: &StatementCall) -> Result<Option<String>, Fa
             .try_get::<rust_decimal::Decimal, _>(0)
             .map(|v| v.to_string()),
         "BOOL" => row.try_get::<bool, _>(0).map(|v| v.to_string()),
-        "TEXT" | "VARCHAR" | "BPCHAR" | "NAME" => row.try_get::<String, _>(0),
+        "TEXT" | "VARCHAR" | "BPCHAR" | "CHAR" | "NAME" => row.try_get::<String, _>(0),
         other => return Err(unreadable(call, other)),
     };
-    text.map(Some).map_err(|_| unreadable(call, &ty))
+    text.map(|t| Some(capped(t)))
+        .map_err(|_| unreadable(call, &ty))
+}
+
+/// A result reference is an identifier: at most 256 bytes are kept.
+fn capped(text: String) -> String {
+    crate::failure::truncate(text, 256)
 }
 
 fn sqlite_result_ref(row: &SqliteRow, call: &StatementCall) -> Result<Option<String>, Failure> {
@@ -424,7 +458,8 @@ fn sqlite_result_ref(row: &SqliteRow, call: &StatementCall) -> Result<Option<Str
         "TEXT" => row.try_get::<String, _>(0),
         other => return Err(unreadable(call, other)),
     };
-    text.map(Some).map_err(|_| unreadable(call, &ty))
+    text.map(|t| Some(capped(t)))
+        .map_err(|_| unreadable(call, &ty))
 }
 
 /// The highest `$N` placeholder in `sql`, outside quoted text and comments:
@@ -434,6 +469,19 @@ fn sqlite_result_ref(row: &SqliteRow, call: &StatementCall) -> Result<Option<Str
 /// assert_eq!(idem::store::placeholder_count("SELECT $2, '$9', $1 -- $7"), 2);
 /// ```
 pub fn placeholder_count(sql: &str) -> usize {
+    declared_statement(sql).unwrap_or(0)
+}
+
+/// Checks a declared statement's shape at start-up and counts its
+/// placeholders: one statement, `$1`, `$2`, ... placeholders (not `?`), no
+/// dollar-quoted text (its `$` would be miscounted).
+///
+/// ```
+/// assert_eq!(idem::store::declared_statement("INSERT INTO t VALUES ($1, $2)"), Ok(2));
+/// assert!(idem::store::declared_statement("INSERT INTO t VALUES (?)").is_err());
+/// assert!(idem::store::declared_statement("DELETE FROM t; DROP TABLE t").is_err());
+/// ```
+pub fn declared_statement(sql: &str) -> Result<usize, String> {
     let bytes = sql.as_bytes();
     let (mut i, mut highest) = (0, 0);
     while i < bytes.len() {
@@ -456,6 +504,10 @@ pub fn placeholder_count(sql: &str) -> usize {
                 }
                 i += 1;
             }
+            b'?' => return Err("write placeholders as $1, $2, ..., not ?".into()),
+            b';' if !sql[i + 1..].trim().is_empty() => {
+                return Err("declare one statement, not several".into());
+            }
             b'$' => {
                 let start = i + 1;
                 let mut end = start;
@@ -465,6 +517,11 @@ pub fn placeholder_count(sql: &str) -> usize {
                 if end > start {
                     let n: usize = sql[start..end].parse().unwrap_or(0);
                     highest = highest.max(n);
+                } else if i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_')
+                {
+                    return Err(
+                        "dollar-quoted text is not supported in a declared statement".into(),
+                    );
                 }
                 i = end.max(i + 1) - 1;
             }
@@ -472,7 +529,7 @@ pub fn placeholder_count(sql: &str) -> usize {
         }
         i += 1;
     }
-    highest
+    Ok(highest)
 }
 
 #[cfg(test)]
@@ -488,6 +545,9 @@ mod tests {
         );
         assert_eq!(placeholder_count("SELECT 1"), 0);
         assert_eq!(placeholder_count("SELECT $10"), 10);
-        assert_eq!(placeholder_count("SELECT $"), 0);
+        assert_eq!(placeholder_count("SELECT col$x FROM t"), 0);
+        assert!(declared_statement("SELECT $$ text $$").is_err());
+        assert!(declared_statement("SELECT ?1").is_err());
+        assert_eq!(declared_statement("SELECT '?', $1;  "), Ok(1));
     }
 }
