@@ -11,7 +11,8 @@
 //! - [`queue`]: the worker loop, outcomes, backoff, rescuer and pruner.
 //! - [`metrics`]: metric names and the Prometheus exporter.
 //! - [`store`]: the store contract with SQLite and PostgreSQL implementations.
-//! - [`providers`]: where effects are carried out (http, email), with retry-storm guards.
+//! - [`providers`]: where effects are carried out (http, email, sql), with retry-storm guards.
+//! - [`ops`]: the operator surface: read model, replay and its preview, HTTP API, dashboard.
 //! - [`config`]: `idem.toml` and environment overrides.
 //! - [`cli`]: the `idem` command line.
 //!
@@ -25,6 +26,7 @@ pub mod effects;
 pub mod failpoint;
 pub mod failure;
 pub mod metrics;
+pub mod ops;
 pub mod plugins;
 pub mod providers;
 pub mod queue;

@@ -9,7 +9,13 @@
 //! Histograms: `idem_job_wait_seconds` (enqueue to claim), `idem_job_duration_seconds{plugin}`,
 //! `idem_provider_call_seconds{provider}`, `idem_job_attempts{plugin}` (at success),
 //! `idem_store_batch_writes` (writes per group commit).
-//! Gauges: `idem_queue_jobs{queue,state}`, `idem_queue_oldest_ready_seconds{queue}`.
+//! `idem_job_attempt_outcomes_total{plugin,attempt,outcome}` (attempt 1, 2, 3, 4+;
+//! succeeded or failed: the success rate by attempt number).
+//! Gauges: `idem_queue_jobs{queue,state}`, `idem_queue_oldest_ready_seconds{queue}`,
+//! `idem_idempotency_hit_ratio` (hits over effects settled, since start),
+//! `idem_provider_circuit_state{provider}` (0 closed, 1 half open, 2 open),
+//! `idem_effect_lease_seconds{provider}` (the key lease a call runs under,
+//! next to `idem_provider_call_seconds`).
 
 use std::time::Duration;
 
@@ -31,6 +37,42 @@ pub fn job_finished(plugin: &str, outcome: &'static str, took: Duration) {
 /// A job succeeded after `attempt` attempts.
 pub fn job_attempts(plugin: &str, attempt: u32) {
     metrics::histogram!("idem_job_attempts", "plugin" => plugin.to_string()).record(attempt as f64);
+}
+
+/// An attempt ended; `attempt` is bucketed 1, 2, 3, 4+.
+pub fn attempt_outcome(plugin: &str, attempt: u32, outcome: &'static str) {
+    let bucket = match attempt {
+        0 | 1 => "1",
+        2 => "2",
+        3 => "3",
+        _ => "4+",
+    };
+    metrics::counter!("idem_job_attempt_outcomes_total", "plugin" => plugin.to_string(), "attempt" => bucket, "outcome" => outcome)
+        .increment(1);
+}
+
+/// Idempotency hits over every effect settled so far by this process.
+pub fn idempotency_hit_ratio(hits: u64, executed: u64) {
+    let settled = hits + executed;
+    if settled > 0 {
+        metrics::gauge!("idem_idempotency_hit_ratio").set(hits as f64 / settled as f64);
+    }
+}
+
+/// A provider's circuit: `closed`, `half_open` or `open`.
+pub fn circuit_state(provider: &str, state: &str) {
+    let value = match state {
+        "open" => 2.0,
+        "half_open" => 1.0,
+        _ => 0.0,
+    };
+    metrics::gauge!("idem_provider_circuit_state", "provider" => provider.to_string()).set(value);
+}
+
+/// The key lease an effect's provider call runs under.
+pub fn effect_lease(provider: &str, lease: Duration) {
+    metrics::gauge!("idem_effect_lease_seconds", "provider" => provider.to_string())
+        .set(lease.as_secs_f64());
 }
 
 /// A job was deferred without using an attempt.
@@ -87,10 +129,20 @@ pub fn oldest_ready(queue: &str, age: Duration) {
         .set(age.as_secs_f64());
 }
 
-/// Installs the Prometheus exporter on `addr` (serves `/metrics`).
-pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| e.to_string())
+/// Installs the Prometheus recorder for this process and returns its
+/// handle (rendered at `/metrics` by the HTTP surface); a task keeps its
+/// histograms trimmed. Call once, inside a Tokio runtime.
+pub fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle, String> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
 }

@@ -787,3 +787,209 @@ fn resolving_an_unknown_key_says_so_and_names_the_plugin_form() {
     assert!(stderr.contains("no effect with key"), "{stderr}");
     assert!(stderr.contains("PLUGIN/KEY"), "{stderr}");
 }
+
+/// `idem run --listen`: the API answers 401 without the token, the metrics
+/// and the queues with it, and `idem stats` shows the API's numbers.
+#[test]
+fn run_listen_serves_the_api_behind_the_token_and_the_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = "cli-test-token-0123456789";
+    let db = format!("sqlite://{}", dir.path().join("idem.db").display());
+    for _ in 0..3 {
+        ok(&idem_in(
+            dir.path(),
+            &["--database-url", &db, "enqueue", "noop", "--payload", "{}"],
+            &[],
+        ));
+    }
+    ok(&idem_in(
+        dir.path(),
+        &[
+            "--database-url",
+            &db,
+            "enqueue",
+            "noop",
+            "--payload",
+            "{}",
+            "--delay",
+            "1h",
+        ],
+        &[],
+    ));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem-test"))
+        .current_dir(dir.path())
+        .args(["--plugins-dir", plugins::PLUGINS_DIR, "--database-url", &db])
+        .args(["run", "--listen", &format!("127.0.0.1:{port}")])
+        .env("IDEM_API_TOKEN", token)
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-cli-test-cache"),
+        )
+        .env_remove("IDEM_DATABASE_URL")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let outcome = runtime.block_on(async {
+        let client = reqwest::Client::new();
+        let mut up = false;
+        for _ in 0..300 {
+            if client
+                .get(format!("{base}/healthz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+            {
+                up = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert!(up, "idem run --listen answers /healthz");
+        let anonymous = client
+            .get(format!("{base}/api/queues"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(anonymous.status(), 401);
+        let anonymous_metrics = client.get(format!("{base}/metrics")).send().await.unwrap();
+        assert_eq!(
+            anonymous_metrics.status(),
+            401,
+            "metrics ask for the token unless --metrics-open"
+        );
+        // The three runnable jobs drain; the delayed one stays.
+        let mut queues = serde_json::Value::Null;
+        for _ in 0..300 {
+            queues = client
+                .get(format!("{base}/api/queues"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if queues["total"]["jobs"]["succeeded"] == 3 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        let metrics = client
+            .get(format!("{base}/metrics"))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        (queues, metrics)
+    });
+    let (queues, metrics) = outcome;
+    let stats: serde_json::Value = serde_json::from_str(&ok(&idem_in(
+        dir.path(),
+        &["--database-url", &db, "stats"],
+        &[],
+    )))
+    .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(queues["total"]["jobs"]["succeeded"], 3, "{queues}");
+    assert!(metrics.contains("idem_jobs_claimed_total"), "{metrics}");
+    for state in ["available", "succeeded", "dead"] {
+        assert_eq!(
+            stats[state], queues["total"]["jobs"][state],
+            "{state}: {stats} vs {queues}"
+        );
+    }
+    assert_eq!(
+        stats["succeeded_last_minute"],
+        queues["total"]["succeeded_last_minute"]
+    );
+    assert_eq!(stats["queues"], queues["queues"]);
+}
+
+/// A plugin that panicked is fixed (a new `.wasm` under its name): the dry
+/// run shows the fixed plugin's plan next to the stored one (none) without
+/// changing anything, and the replay then carries it out.
+#[test]
+fn dlq_replay_dry_run_shows_the_fixed_plugins_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugins_dir = dir.path().join("plugins");
+    std::fs::create_dir(&plugins_dir).unwrap();
+    let built = std::path::Path::new(plugins::PLUGINS_DIR);
+    std::fs::copy(
+        built.join("hostile_panic.wasm"),
+        plugins_dir.join("billing.wasm"),
+    )
+    .unwrap();
+    let db = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let idem = |args: &[&str]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idem-test"));
+        command
+            .current_dir(dir.path())
+            .arg("--plugins-dir")
+            .arg(&plugins_dir)
+            .args(["--database-url", &db])
+            .args(args)
+            .env_remove("IDEM_DATABASE_URL")
+            .env(
+                "IDEM_CACHE_DIR",
+                std::env::temp_dir().join("idem-cli-test-cache"),
+            );
+        command.output().unwrap()
+    };
+    let id = ok(&idem(&[
+        "enqueue",
+        "billing",
+        "--payload",
+        r#"{"invoice_id": 42, "recipient": "ana@example.com"}"#,
+        "--max-attempts",
+        "1",
+    ]))
+    .trim()
+    .to_string();
+    ok(&idem(&["run", "--exit-when-drained"]));
+    let dead: serde_json::Value =
+        serde_json::from_str(&ok(&idem(&["jobs", "show", &id, "--json"]))).unwrap();
+    assert_eq!(dead["state"], "dead");
+    assert_eq!(dead["last_error"]["code"], "plugin_panic");
+
+    // The fix: a plugin under the same name that plans an email.
+    std::fs::copy(
+        built.join("send_invoice_email.wasm"),
+        plugins_dir.join("billing.wasm"),
+    )
+    .unwrap();
+    let preview: serde_json::Value =
+        serde_json::from_str(&ok(&idem(&["dlq", "replay", &id, "--dry-run", "--json"]))).unwrap();
+    let job = &preview["jobs"][0];
+    assert_eq!(job["has_stored_plan"], false);
+    assert_eq!(job["keys"][0]["key"], "billing/invoice:42:email:v1");
+    assert_eq!(job["keys"][0]["change"], "new");
+    assert_eq!(job["keys"][0]["ledger"], "not_started");
+    assert_ne!(job["current_plugin_hash"], job["stored_plugin_hash"]);
+    let text = ok(&idem(&["dlq", "replay", &id, "--dry-run"]));
+    assert!(
+        text.contains("new") && text.contains("billing/invoice:42:email:v1"),
+        "{text}"
+    );
+    assert!(text.contains("nothing was replayed"), "{text}");
+    let still: serde_json::Value =
+        serde_json::from_str(&ok(&idem(&["jobs", "show", &id, "--json"]))).unwrap();
+    assert_eq!(still["state"], "dead", "the dry run changed nothing");
+    let timeline = ok(&idem(&["jobs", "show", &id]));
+    assert!(
+        timeline.contains("attempt_failed") && timeline.contains("plugin_panic"),
+        "{timeline}"
+    );
+    let listed = ok(&idem(&["jobs", "list", "--state", "dead"]));
+    assert!(listed.contains("plugin_panic"), "{listed}");
+}

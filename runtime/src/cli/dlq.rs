@@ -5,7 +5,6 @@ use super::queue::store;
 use crate::config::Config;
 use crate::store::{Job, JobFilter, JobId, JobState};
 use serde_json::json;
-use std::time::Duration;
 
 /// `idem dlq ...`
 #[derive(Debug, clap::Subcommand)]
@@ -48,11 +47,23 @@ pub enum DlqCommand {
         /// its provider.
         #[arg(long)]
         discard_plan: bool,
+        /// Change nothing: run the current plugin on each job's payload in
+        /// the sandbox and show its plan next to the stored one, key by key,
+        /// with what already happened.
+        #[arg(long)]
+        dry_run: bool,
+        /// With --dry-run: print JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
 /// Runs a DLQ command.
-pub async fn run(config: &Config, command: DlqCommand) -> Result<(), CliError> {
+pub async fn run(
+    config: &Config,
+    plugins_dir: &std::path::Path,
+    command: DlqCommand,
+) -> Result<(), CliError> {
     match command {
         DlqCommand::List {
             plugin,
@@ -67,19 +78,19 @@ pub async fn run(config: &Config, command: DlqCommand) -> Result<(), CliError> {
             all,
             rate,
             discard_plan,
+            dry_run,
+            json,
         } => {
-            replay(
-                config,
-                ReplayFilter {
-                    ids,
-                    plugin,
-                    code,
-                    all,
-                },
-                &rate,
-                discard_plan,
-            )
-            .await
+            let filter = ReplayFilter {
+                ids,
+                plugin,
+                code,
+                all,
+            };
+            if dry_run {
+                return preview(config, plugins_dir, filter, json).await;
+            }
+            replay(config, filter, &rate, discard_plan).await
         }
     }
 }
@@ -126,6 +137,7 @@ fn dead_jobs(plugin: Option<String>, code: Option<String>, ids: Vec<i64>, limit:
         error_code: code,
         ids: ids.into_iter().map(JobId).collect(),
         limit,
+        ..JobFilter::default()
     }
 }
 
@@ -182,21 +194,7 @@ async fn show(config: &Config, id: JobId) -> Result<(), CliError> {
 
 /// Parses `10/s`, `600/m` or a bare number (per second).
 pub fn parse_rate(text: &str) -> Result<f64, String> {
-    let (n, per) = text.split_once('/').unwrap_or((text, "s"));
-    let n: f64 = n
-        .trim()
-        .parse()
-        .map_err(|_| format!("bad rate {text:?}: expected e.g. 10/s"))?;
-    let seconds = match per.trim() {
-        "s" | "sec" => 1.0,
-        "m" | "min" => 60.0,
-        "h" => 3600.0,
-        other => return Err(format!("bad rate unit {other:?}: use /s, /m or /h")),
-    };
-    if n <= 0.0 || !n.is_finite() {
-        return Err(format!("bad rate {text:?}: must be above zero"));
-    }
-    Ok(n / seconds)
+    crate::ops::replay::parse_rate(text)
 }
 
 /// Which dead jobs to replay.
@@ -207,88 +205,132 @@ struct ReplayFilter {
     all: bool,
 }
 
+impl ReplayFilter {
+    fn request(self, per_second: f64, discard_plan: bool) -> crate::ops::replay::ReplayRequest {
+        crate::ops::replay::ReplayRequest {
+            ids: self.ids.into_iter().map(JobId).collect(),
+            plugin: self.plugin,
+            code: self.code,
+            all: self.all,
+            discard_plan,
+            per_second,
+            limit: 0,
+        }
+    }
+}
+
+fn ops_error(error: crate::ops::OpsError) -> CliError {
+    match error {
+        crate::ops::OpsError::Invalid(m) => CliError::Usage(m),
+        crate::ops::OpsError::NotFound(m) => CliError::Failed(m),
+        other => CliError::Runtime(other.into()),
+    }
+}
+
 async fn replay(
     config: &Config,
     filter: ReplayFilter,
     rate: &str,
     discard_plan: bool,
 ) -> Result<(), CliError> {
-    let ReplayFilter {
-        ids,
-        plugin,
-        code,
-        all,
-    } = filter;
     let per_second = parse_rate(rate).map_err(CliError::Usage)?;
-    if ids.is_empty() && plugin.is_none() && code.is_none() && !all {
-        return Err(CliError::Usage(
-            "say what to replay: job ids, --plugin P, --code C or --all".into(),
-        ));
-    }
     let store = store(config).await?;
-    let dead = store
-        .job_list(dead_jobs(plugin, code, ids, 0))
+    let report = crate::ops::replay::replay(&*store, filter.request(per_second, discard_plan))
         .await
-        .map_err(|e| CliError::Runtime(e.into()))?;
-    let gap = Duration::from_secs_f64(1.0 / per_second);
-    let mut replayed = 0u64;
-    let mut refused: Vec<crate::store::JobId> = Vec::new();
-    for (i, job) in dead.iter().enumerate() {
-        if i > 0 {
-            tokio::time::sleep(gap).await;
-        }
-        let redacted = crate::store::is_redacted_payload(&job.payload);
-        if redacted && (job.plan.is_none() || discard_plan) {
-            // Its plugin would be handed the redaction reference, not the payload.
-            eprintln!(
-                "job {}: skipped, its payload was redacted and it has no plan to replay; enqueue it again from the source",
-                job.id
-            );
-            continue;
-        }
-        if discard_plan && job.plan.is_some() {
-            let discarded = store
-                .job_discard_plan(job.id)
-                .await
-                .map_err(|e| CliError::Runtime(e.into()))?;
-            if !discarded {
-                // Replaying the old plan is not what was asked for.
-                refused.push(job.id);
-                eprintln!(
-                    "job {}: refused, its plan cannot be discarded (an effect of it may already have reached its provider); replay it without --discard-plan to carry out the same plan",
-                    job.id
-                );
-                continue;
-            }
-        }
-        let report = store
-            .job_replay(&[job.id])
-            .await
-            .map_err(|e| CliError::Runtime(e.into()))?;
-        for (id, key) in &report.refused {
-            refused.push(*id);
-            eprintln!(
-                "job {id}: refused, effect {key:?} may have happened and idem will not send it again; check with the provider, then `idem effects resolve {key} --applied` or `--not-applied`"
-            );
-        }
-        for id in &report.replayed {
-            replayed += 1;
-            eprintln!(
-                "replayed job {id} ({}, {})",
-                job.plugin,
-                job.last_error_code.as_deref().unwrap_or("-")
-            );
-        }
+        .map_err(ops_error)?;
+    for job in &report.replayed {
+        eprintln!(
+            "replayed job {} ({}, {})",
+            job.id,
+            job.plugin,
+            job.code.as_deref().unwrap_or("-")
+        );
     }
-    println!("{}", json!({"replayed": replayed, "refused": refused}));
+    for refusal in &report.refused {
+        eprintln!(
+            "job {}: refused ({}): {}",
+            refusal.id, refusal.reason, refusal.message
+        );
+    }
+    let refused: Vec<JobId> = report.refused.iter().map(|r| r.id).collect();
+    println!(
+        "{}",
+        json!({"replayed": report.replayed.len(), "refused": refused})
+    );
     if refused.is_empty() {
         Ok(())
     } else {
         Err(CliError::Failed(format!(
-            "{} job(s) refused (see above); {replayed} replayed",
-            refused.len()
+            "{} job(s) refused (see above); {} replayed",
+            refused.len(),
+            report.replayed.len()
         )))
     }
+}
+
+/// `idem dlq replay --dry-run`: the current plugin's plan beside the stored one.
+async fn preview(
+    config: &Config,
+    plugins_dir: &std::path::Path,
+    filter: ReplayFilter,
+    as_json: bool,
+) -> Result<(), CliError> {
+    let registry = super::plugins::registry(config, plugins_dir)?;
+    let store = store(config).await?;
+    let request = filter.request(1.0, false);
+    let jobs = crate::ops::replay::selected(&*store, &request)
+        .await
+        .map_err(ops_error)?;
+    let previews = crate::ops::preview::preview_jobs(&*store, &registry, &jobs)
+        .await
+        .map_err(ops_error)?;
+    if as_json {
+        println!("{}", json!({"dry_run": true, "jobs": previews}));
+        return Ok(());
+    }
+    if previews.is_empty() {
+        eprintln!("no dead job matches");
+    }
+    for p in &previews {
+        println!(
+            "job {} ({}, died {}): {}",
+            p.id,
+            p.plugin,
+            p.code.as_deref().unwrap_or("-"),
+            p.verdict
+        );
+        println!(
+            "  plugin then {}  now {}",
+            p.stored_plugin_hash.as_deref().map(short).unwrap_or("-"),
+            p.current_plugin_hash.as_deref().map(short).unwrap_or("-")
+        );
+        if let Some(error) = &p.error {
+            println!(
+                "  the current plugin fails: {} ({}) {}",
+                error.code, error.class, error.message
+            );
+        }
+        for k in &p.keys {
+            println!(
+                "  {:<8} {:<48} {:<12} {:<8} ledger {}{}",
+                k.change,
+                k.key,
+                k.provider,
+                k.action,
+                k.ledger,
+                k.result_ref
+                    .as_deref()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    println!("dry run: nothing was replayed, stored or sent");
+    Ok(())
+}
+
+fn short(hash: &str) -> &str {
+    hash.get(..12).unwrap_or(hash)
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 //! - [`queue`]: `idem migrate|enqueue|run|stats`.
 //! - [`dlq`]: `idem dlq list|show|replay`.
 //! - [`effects`]: `idem effects show|resolve`.
+//! - [`ops`]: `idem serve`, `idem jobs list|show`, the HTTP surface of `idem run --listen`.
 //! - [`bench`]: `idem bench`, throughput and latency on a clean store.
 //! - `chaos`: `idem chaos`, kills and faults against a real setup, then
 //!   checks 0 lost and 0 duplicates (with the `provider-server` feature).
@@ -22,6 +23,7 @@ pub mod bench;
 pub mod chaos;
 pub mod dlq;
 pub mod effects;
+pub mod ops;
 pub mod plugins;
 pub mod queue;
 #[cfg(feature = "provider-server")]
@@ -72,6 +74,10 @@ pub struct Cli {
     /// Log filter, e.g. `info` or `idem=debug` (logs go to stderr).
     #[arg(long, global = true, env = "IDEM_LOG", default_value = "warn")]
     pub log: String,
+    /// Log lines as `text` or `json` (one object per line, with the job's
+    /// id, plugin, attempt, key and correlation id, and the effect's key).
+    #[arg(long, global = true, env = "IDEM_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -108,7 +114,8 @@ pub enum Command {
     /// Measure throughput and pickup latency on a clean store (a fresh
     /// SQLite file, or a fresh schema of a `--database-url postgres://...`).
     Bench(bench::BenchArgs),
-    /// Job counts per state, as JSON.
+    /// Job counts per state, readiness, the last minute's rates and dead
+    /// jobs by code, as JSON (the same numbers as `GET /api/queues`).
     Stats {
         /// Only this queue.
         #[arg(long)]
@@ -120,6 +127,11 @@ pub enum Command {
     /// Effect ledger: show a key, resolve an effect in doubt.
     #[command(subcommand)]
     Effects(effects::EffectsCommand),
+    /// Jobs: list them, or show one's timeline.
+    #[command(subcommand)]
+    Jobs(ops::JobsCommand),
+    /// Serve the HTTP API and the dashboard without a worker.
+    Serve(ops::ServeArgs),
     /// Prove exactly-once effects here: kill and stop workers, inject
     /// provider faults, then check 0 lost and 0 duplicates.
     #[cfg(feature = "provider-server")]
@@ -127,6 +139,15 @@ pub enum Command {
     /// Run the local idempotent provider server (for demos and tests).
     #[cfg(feature = "provider-server")]
     ProviderServer(server::ProviderServerArgs),
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// For people.
+    Text,
+    /// One JSON object per line, for log pipelines.
+    Json,
 }
 
 /// `idem plugins ...`
@@ -150,7 +171,7 @@ pub enum PluginsCommand {
 /// ```
 pub fn main() -> ! {
     let cli = Cli::parse();
-    init_logging(&cli.log);
+    init_logging(&cli.log, cli.log_format);
     let code = match try_main(cli) {
         Ok(()) => 0,
         Err(error) => {
@@ -175,14 +196,23 @@ fn try_main(cli: Cli) -> Result<(), CliError> {
     runtime.block_on(run(cli))
 }
 
-fn init_logging(filter: &str) {
+fn init_logging(filter: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        // Spans carry the job's and the effect's fields onto every line.
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
 }
 
 /// Runs a parsed command line.
@@ -216,7 +246,9 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             bench::run(&config, &plugins_dir, explicit_url.as_deref(), args).await
         }
         Command::Stats { queue } => queue::stats(&config, queue.as_deref()).await,
-        Command::Dlq(command) => dlq::run(&config, command).await,
+        Command::Dlq(command) => dlq::run(&config, &plugins_dir, command).await,
         Command::Effects(command) => effects::run(&config, command).await,
+        Command::Jobs(command) => ops::jobs(&config, command).await,
+        Command::Serve(args) => ops::serve(&config, &plugins_dir, args).await,
     }
 }

@@ -304,9 +304,13 @@ pub struct RunArgs {
     /// Queues and concurrency, e.g. `default=8,billing=2` (overrides the config).
     #[arg(long)]
     pub queues: Option<String>,
-    /// Serve Prometheus metrics on this address (`/metrics`).
-    #[arg(long)]
-    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Serve the HTTP surface on this address: the API under `/api/`, the
+    /// dashboard at `/ui`, `/metrics` and `/healthz` (`--metrics-listen` is
+    /// the older name).
+    #[arg(long = "listen", alias = "metrics-listen")]
+    pub listen: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    pub http: super::ops::HttpArgs,
     /// Print the run summary as JSON on stdout when the worker stops.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub summary: bool,
@@ -314,10 +318,10 @@ pub struct RunArgs {
 
 /// `idem run`
 pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(), CliError> {
-    if let Some(addr) = args.metrics_listen {
-        crate::metrics::install_prometheus(addr)
-            .map_err(|e| CliError::Usage(format!("--metrics-listen {addr}: {e}")))?;
-    }
+    let listener = match args.listen {
+        Some(addr) => Some(super::ops::bind(addr).await?),
+        None => None,
+    };
     let providers = Providers::for_store(&config.providers, &config.database_url)
         .map_err(|e| CliError::Usage(e.to_string()))?;
     let registry = super::plugins::registry(config, plugins_dir)?;
@@ -370,6 +374,19 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
             }
         })
     };
+    let http = match listener {
+        Some(listener) => Some(super::ops::start(
+            listener,
+            &args.http,
+            config,
+            store.clone(),
+            Some(registry.clone()),
+            providers.clone(),
+            true,
+            shutdown.clone(),
+        )?),
+        None => None,
+    };
     let worker = Worker::new(store.clone(), registry, providers, settings);
     let summary = worker
         .run(shutdown.clone())
@@ -377,6 +394,9 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
         .map_err(|e| CliError::Runtime(e.into()))?;
     shutdown.cancel();
     let _ = rescan.await;
+    if let Some(http) = http {
+        let _ = http.await;
+    }
     if args.summary {
         let stats = store
             .queue_stats(None)
@@ -399,7 +419,9 @@ fn states_json(stats: &crate::store::QueueStats) -> serde_json::Value {
     serde_json::Value::Object(by_state)
 }
 
-/// `idem stats`: job counts per state as JSON.
+/// `idem stats`: job counts per state, readiness, the last minute's
+/// finished jobs and the dead jobs by code, as JSON; the same numbers as
+/// `GET /api/queues` (`total`, `queues`, `dead_by_code`).
 pub async fn stats(config: &Config, queue: Option<&str>) -> Result<(), CliError> {
     let store = store(config).await?;
     let stats = store
@@ -408,6 +430,23 @@ pub async fn stats(config: &Config, queue: Option<&str>) -> Result<(), CliError>
         .map_err(|e| CliError::Runtime(e.into()))?;
     let mut out = states_json(&stats);
     out["oldest_ready_age_ms"] = stats.oldest_ready_age_ms.into();
+    out["succeeded_last_minute"] = stats.succeeded_last_minute.into();
+    out["dead_last_minute"] = stats.dead_last_minute.into();
+    let overview = crate::ops::view::overview(&*store)
+        .await
+        .map_err(|e| CliError::Runtime(e.into()))?;
+    if queue.is_none() {
+        out["queues"] = serde_json::to_value(&overview.queues).unwrap_or_default();
+        out["dead_by_code"] = serde_json::to_value(&overview.dead_by_code).unwrap_or_default();
+    } else {
+        let mut codes: Vec<_> = stats.dead_by_code.clone();
+        codes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        out["dead_by_code"] = codes
+            .into_iter()
+            .map(|(code, jobs)| json!({"code": code, "jobs": jobs}))
+            .collect::<Vec<_>>()
+            .into();
+    }
     println!("{out}");
     Ok(())
 }

@@ -102,6 +102,23 @@ impl TokenBucket {
 }
 
 impl Guard {
+    /// The circuit breaker's state: `closed`, `open` or `half_open`.
+    pub fn circuit(&self) -> &'static str {
+        match &*self.breaker.lock().unwrap_or_else(|p| p.into_inner()) {
+            Breaker::Closed { .. } => "closed",
+            Breaker::Open { until } if *until > Instant::now() => "open",
+            Breaker::Open { .. } | Breaker::HalfOpen { .. } => "half_open",
+        }
+    }
+
+    /// Calls in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.config
+            .concurrency
+            .max(1)
+            .saturating_sub(self.slots.available_permits())
+    }
+
     /// A guard with this configuration.
     pub fn new(config: &GuardConfig) -> Self {
         let rate = (config.rate_per_second > 0.0).then(|| {

@@ -182,6 +182,11 @@ impl Providers {
             .unwrap_or_default()
     }
 
+    /// Every configured provider with its guard, by name.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<GuardedProvider>> {
+        self.by_name.values()
+    }
+
     /// Names of the configured providers.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.by_name.keys().map(String::as_str)

@@ -257,6 +257,7 @@ impl Executor {
         let lease = self
             .effect_lease
             .max(provider.provider.timeout() * 2 + Duration::from_secs(5));
+        metrics::effect_lease(&effect.provider, lease);
         let fence = match self.claim(job, effect, lease).await {
             Ok((fence, None)) => fence,
             Ok((fence, Some(sent_ago))) => match may_resend(

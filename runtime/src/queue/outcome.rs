@@ -96,6 +96,7 @@ pub fn decide(
         Attempt::LeaseLost => return None,
         Attempt::Succeeded => {
             metrics::job_attempts(&job.plugin, job.attempt);
+            metrics::attempt_outcome(&job.plugin, job.attempt, "succeeded");
             (
                 JobChange::Succeed { plugin_hash, plan },
                 Recorded::Succeeded,
@@ -136,6 +137,7 @@ pub fn decide(
         }
         Attempt::Failed(failure) => {
             metrics::job_error(&job.plugin, &failure.code, failure.class.as_str());
+            metrics::attempt_outcome(&job.plugin, job.attempt, "failed");
             let error = ErrorRecord {
                 attempt: job.attempt,
                 class: failure.class,

@@ -165,6 +165,18 @@ impl Worker {
         }
     }
 
+    /// Circuit states and the idempotency hit ratio, as gauges.
+    fn publish_gauges(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        for provider in self.executor.providers.iter() {
+            metrics::circuit_state(&provider.name, provider.guard.circuit());
+        }
+        metrics::idempotency_hit_ratio(
+            self.stats.idempotency_hits.load(Relaxed),
+            self.stats.effects_executed.load(Relaxed),
+        );
+    }
+
     /// The worker's counters.
     pub fn stats(&self) -> &Arc<WorkerStats> {
         &self.stats
@@ -200,6 +212,18 @@ impl Worker {
             let (keeper, store, stop) =
                 (self.keeper.clone(), self.store.clone(), background.clone());
             tokio::spawn(async move { keeper.run(store, stop).await })
+        };
+        let gauges = {
+            let (me, stop) = (self.clone(), background.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(5));
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        _ = tick.tick() => me.publish_gauges(),
+                    }
+                }
+            })
         };
         // `stop_claiming` ends the fetchers; `abort_jobs` stops running jobs
         // between effects once the grace period is over.
@@ -312,6 +336,7 @@ impl Worker {
         }
         background.cancel();
         let _ = keeping.await;
+        let _ = gauges.await;
         for service in services {
             let _ = service.await;
         }

@@ -239,6 +239,10 @@ impl Store for GroupCommit {
         self.inner.queue_stats(queue).await
     }
 
+    async fn queue_names(&self) -> Result<Vec<String>> {
+        self.inner.queue_names().await
+    }
+
     async fn wait_for_jobs(&self, timeout: Duration) {
         self.inner.wait_for_jobs(timeout).await
     }

@@ -141,8 +141,12 @@ pub trait Store: Send + Sync + 'static {
     /// Ledger rows of a job's plan.
     async fn effect_list(&self, job_id: JobId) -> Result<Vec<EffectRecord>>;
 
-    /// Counts per state and readiness, optionally for one queue.
+    /// Counts per state and readiness, the last minute's finished jobs and
+    /// the dead jobs by code, optionally for one queue.
     async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats>;
+
+    /// The queues that hold jobs, by name.
+    async fn queue_names(&self) -> Result<Vec<String>>;
 
     /// Waits until a job may be available (a notification) or `timeout`.
     async fn wait_for_jobs(&self, timeout: Duration);

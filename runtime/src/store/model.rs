@@ -278,6 +278,10 @@ pub struct JobFilter {
     pub error_code: Option<String>,
     /// Only these ids (all when empty).
     pub ids: Vec<JobId>,
+    /// Only this queue.
+    pub queue: Option<String>,
+    /// Only ids below this one (the next page of a listing).
+    pub before: Option<JobId>,
     /// Most rows (newest first by id); 0 means no limit.
     pub limit: u32,
 }
@@ -311,6 +315,12 @@ pub struct QueueStats {
     pub ready: i64,
     /// Age in ms of the oldest runnable job.
     pub oldest_ready_age_ms: Option<i64>,
+    /// Jobs that succeeded in the last minute.
+    pub succeeded_last_minute: i64,
+    /// Jobs dead-lettered in the last minute.
+    pub dead_last_minute: i64,
+    /// Dead jobs per last error code (`-` for none).
+    pub dead_by_code: Vec<(String, i64)>,
 }
 
 impl QueueStats {

@@ -83,6 +83,9 @@ pub(crate) struct Queries {
     pub stats_counts_queue: String,
     pub stats_ready: String,
     pub stats_ready_queue: String,
+    pub stats_recent: String,
+    pub stats_dead_codes: String,
+    pub queue_names: String,
     pub effect_insert: String,
     pub effect_take_over: String,
     pub effect_read: String,
@@ -180,6 +183,8 @@ impl Queries {
                    AND ($1 IS NULL OR plugin = $1) \
                    AND ($2 IS NULL OR last_error_code = $2) \
                    AND ($3 IS NULL OR id IN ({ids})) \
+                   AND ($5 IS NULL OR queue = $5) \
+                   AND ($6 IS NULL OR id < $6) \
                  ORDER BY id DESC LIMIT $4",
                 ids = (d.int_list)("$3"),
             )),
@@ -379,6 +384,13 @@ impl Queries {
                 "SELECT count(*) AS n, {now} - min(run_at) AS age FROM jobs \
                  WHERE queue = $1 AND state IN ('available', 'retrying') AND run_at <= {now}",
             ),
+            stats_recent: x("SELECT state, count(*) AS n FROM jobs \
+                 WHERE finished_at >= {now} - 60000 AND ($1 IS NULL OR queue = $1) GROUP BY state"),
+            stats_dead_codes: x(
+                "SELECT COALESCE(last_error_code, '-') AS code, count(*) AS n FROM jobs \
+                 WHERE state = 'dead' AND ($1 IS NULL OR queue = $1) GROUP BY last_error_code",
+            ),
+            queue_names: x("SELECT DISTINCT queue FROM jobs ORDER BY queue"),
             effect_insert: x(&format!(
                 "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
                      lease_owner, lease_until, created_at, updated_at, first_sent_at) \

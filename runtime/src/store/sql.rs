@@ -374,6 +374,8 @@ impl Store for SqlStore {
                 .bind(&filter.error_code)
                 .bind(&ids)
                 .bind(limit)
+                .bind(&filter.queue)
+                .bind(filter.before.map(|id| id.0))
                 .fetch_all(read)
                 .await?;
             rows.iter().map(rows::job_from_row).collect()
@@ -961,25 +963,39 @@ impl Store for SqlStore {
     }
 
     async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats> {
-        let (counts, (ready, age)): (Vec<(String, i64)>, (i64, Option<i64>)) =
-            with_db!(self, |read, _write| {
-                match queue {
-                    Some(queue) => (
-                        sqlx::query_as(&self.q.stats_counts_queue)
-                            .bind(queue)
-                            .fetch_all(read)
-                            .await?,
-                        sqlx::query_as(&self.q.stats_ready_queue)
-                            .bind(queue)
-                            .fetch_one(read)
-                            .await?,
-                    ),
-                    None => (
-                        sqlx::query_as(&self.q.stats_counts).fetch_all(read).await?,
-                        sqlx::query_as(&self.q.stats_ready).fetch_one(read).await?,
-                    ),
-                }
-            });
+        type Counts = Vec<(String, i64)>;
+        let (counts, (ready, age), recent, dead_codes): (
+            Counts,
+            (i64, Option<i64>),
+            Counts,
+            Counts,
+        ) = with_db!(self, |read, _write| {
+            let (counts, ready) = match queue {
+                Some(queue) => (
+                    sqlx::query_as(&self.q.stats_counts_queue)
+                        .bind(queue)
+                        .fetch_all(read)
+                        .await?,
+                    sqlx::query_as(&self.q.stats_ready_queue)
+                        .bind(queue)
+                        .fetch_one(read)
+                        .await?,
+                ),
+                None => (
+                    sqlx::query_as(&self.q.stats_counts).fetch_all(read).await?,
+                    sqlx::query_as(&self.q.stats_ready).fetch_one(read).await?,
+                ),
+            };
+            let recent = sqlx::query_as(&self.q.stats_recent)
+                .bind(queue)
+                .fetch_all(read)
+                .await?;
+            let dead_codes = sqlx::query_as(&self.q.stats_dead_codes)
+                .bind(queue)
+                .fetch_all(read)
+                .await?;
+            (counts, ready, recent, dead_codes)
+        });
         let mut by_state: Vec<(JobState, i64)> = JobState::ALL.iter().map(|s| (*s, 0)).collect();
         for (state, n) in counts {
             let state = rows::parse_state(&state)?;
@@ -987,10 +1003,27 @@ impl Store for SqlStore {
                 slot.1 = n;
             }
         }
+        let recent_of = |state: JobState| {
+            recent
+                .iter()
+                .find(|(s, _)| s == state.as_str())
+                .map_or(0, |(_, n)| *n)
+        };
         Ok(QueueStats {
             by_state,
             ready,
             oldest_ready_age_ms: age,
+            succeeded_last_minute: recent_of(JobState::Succeeded),
+            dead_last_minute: recent_of(JobState::Dead),
+            dead_by_code: dead_codes,
+        })
+    }
+
+    async fn queue_names(&self) -> Result<Vec<String>> {
+        with_db!(self, |read, _write| {
+            Ok(sqlx::query_scalar(&self.q.queue_names)
+                .fetch_all(read)
+                .await?)
         })
     }
 

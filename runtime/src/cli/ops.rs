@@ -1,0 +1,295 @@
+//! `idem serve`, `idem jobs list|show`, and the HTTP surface that `idem run
+//! --listen` starts beside its worker.
+
+use super::CliError;
+use super::queue::store;
+use crate::config::Config;
+use crate::ops::api::{self, ApiState};
+use crate::ops::auth::Token;
+use crate::ops::view::{self, JobQuery};
+use crate::plugins::PluginRegistry;
+use crate::providers::Providers;
+use crate::store::{JobId, JobState, Store};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// Options of the HTTP surface (`idem run --listen`, `idem serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpArgs {
+    /// A file holding the API token (`IDEM_API_TOKEN` wins when set).
+    #[arg(long)]
+    pub api_token_file: Option<PathBuf>,
+    /// Serve `/metrics` without the token (for a scraper on a trusted network).
+    #[arg(long)]
+    pub metrics_open: bool,
+    /// Dead jobs replayed per second through the API and the dashboard.
+    #[arg(long, default_value = "10/s")]
+    pub replay_rate: String,
+}
+
+/// Binds the HTTP address before anything else starts, so a taken port is
+/// a usage error at once.
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, CliError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| CliError::Usage(format!("--listen {addr}: {e}")))
+}
+
+/// Installs the metrics recorder and serves the HTTP surface until
+/// `shutdown`; without a token only `/healthz` and `/metrics` answer.
+#[allow(clippy::too_many_arguments)]
+pub fn start(
+    listener: tokio::net::TcpListener,
+    args: &HttpArgs,
+    config: &Config,
+    store: Arc<dyn Store>,
+    registry: Option<Arc<PluginRegistry>>,
+    providers: Providers,
+    worker: bool,
+    shutdown: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, CliError> {
+    let token = Token::from_config(args.api_token_file.as_deref()).map_err(CliError::Usage)?;
+    if token.is_none() {
+        eprintln!(
+            "warning: no API token (IDEM_API_TOKEN or --api-token-file): only /healthz and /metrics answer; the API and the dashboard refuse every request"
+        );
+    }
+    let per_second = crate::ops::replay::parse_rate(&args.replay_rate)
+        .map_err(|e| CliError::Usage(format!("--replay-rate: {e}")))?;
+    let metrics = crate::metrics::install_prometheus().map_err(|e| {
+        CliError::Runtime(anyhow::anyhow!("cannot install the metrics recorder: {e}"))
+    })?;
+    let state = ApiState {
+        store,
+        registry,
+        providers,
+        token,
+        metrics: Some(metrics),
+        metrics_open: args.metrics_open,
+        replay_per_second: per_second,
+        default_max_attempts: config.worker.max_attempts,
+        worker,
+    };
+    let addr = listener.local_addr().ok();
+    tracing::info!(
+        ?addr,
+        "HTTP surface listening: /api, /ui, /metrics, /healthz"
+    );
+    Ok(tokio::spawn(async move {
+        if let Err(error) = api::serve(listener, state, shutdown).await {
+            tracing::error!(%error, "the HTTP surface stopped");
+        }
+    }))
+}
+
+/// Arguments of `idem serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Address to serve on.
+    #[arg(long, default_value = "127.0.0.1:9090")]
+    pub listen: SocketAddr,
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+/// `idem serve`: the API and the dashboard without a worker.
+pub async fn serve(config: &Config, plugins_dir: &Path, args: ServeArgs) -> Result<(), CliError> {
+    let listener = bind(args.listen).await?;
+    let store = store(config).await?;
+    // Plugins are loaded for replay previews; a folder that does not exist
+    // leaves previews unavailable, not the API.
+    let registry = super::plugins::registry(config, plugins_dir).ok();
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    tokio::spawn(async move {
+        super::signal::shutdown_signal().await;
+        signal.cancel();
+    });
+    eprintln!(
+        "serving the API on http://{}/api and the dashboard on http://{}/ui",
+        args.listen, args.listen
+    );
+    let server = start(
+        listener,
+        &args.http,
+        config,
+        store,
+        registry,
+        Providers::default(),
+        false,
+        shutdown,
+    )?;
+    let _ = server.await;
+    Ok(())
+}
+
+/// `idem jobs ...`
+#[derive(Debug, clap::Subcommand)]
+pub enum JobsCommand {
+    /// List jobs, newest first.
+    List {
+        /// Only this state (available, running, retrying, succeeded, dead, cancelled).
+        #[arg(long)]
+        state: Option<String>,
+        /// Only this queue.
+        #[arg(long)]
+        queue: Option<String>,
+        /// Only this plugin.
+        #[arg(long)]
+        plugin: Option<String>,
+        /// Only ids below this one (the next page).
+        #[arg(long)]
+        before: Option<i64>,
+        /// Most rows.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A job's timeline: attempts, errors, its plan and each effect.
+    Show {
+        /// Job id.
+        id: i64,
+        /// Print JSON instead of the timeline.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs a jobs command.
+pub async fn jobs(config: &Config, command: JobsCommand) -> Result<(), CliError> {
+    let store = store(config).await?;
+    let runtime = |e: crate::ops::OpsError| match e {
+        crate::ops::OpsError::NotFound(m) => CliError::Failed(m),
+        crate::ops::OpsError::Invalid(m) => CliError::Usage(m),
+        other => CliError::Runtime(other.into()),
+    };
+    match command {
+        JobsCommand::List {
+            state,
+            queue,
+            plugin,
+            before,
+            limit,
+            json,
+        } => {
+            let state = state
+                .map(|s| {
+                    JobState::ALL
+                        .into_iter()
+                        .find(|st| st.as_str() == s)
+                        .ok_or_else(|| CliError::Usage(format!("--state: unknown state {s:?}")))
+                })
+                .transpose()?;
+            let page = view::job_page(
+                &*store,
+                JobQuery {
+                    state,
+                    queue,
+                    plugin,
+                    before,
+                    limit,
+                    ..JobQuery::default()
+                },
+            )
+            .await
+            .map_err(runtime)?;
+            if json {
+                println!("{page}");
+                return Ok(());
+            }
+            println!(
+                "{:>8} {:<22} {:<12} {:<10} {:>8} {:<28} {:<24}",
+                "ID", "PLUGIN", "QUEUE", "STATE", "ATTEMPTS", "LAST ERROR", "CREATED"
+            );
+            for job in page["jobs"].as_array().into_iter().flatten() {
+                println!(
+                    "{:>8} {:<22} {:<12} {:<10} {:>8} {:<28} {:<24}",
+                    job["id"],
+                    job["plugin"].as_str().unwrap_or("-"),
+                    job["queue"].as_str().unwrap_or("-"),
+                    job["state"].as_str().unwrap_or("-"),
+                    format!("{}/{}", job["attempt"], job["max_attempts"]),
+                    job["last_error"]["code"].as_str().unwrap_or("-"),
+                    job["created_at"].as_str().unwrap_or("-"),
+                );
+            }
+            if let Some(next) = page["next_before"].as_i64() {
+                eprintln!("more: --before {next}");
+            }
+            Ok(())
+        }
+        JobsCommand::Show { id, json } => {
+            let detail = view::job_detail(&*store, JobId(id))
+                .await
+                .map_err(runtime)?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&detail).unwrap_or_default()
+                );
+                return Ok(());
+            }
+            print!("{}", timeline_text(&detail));
+            Ok(())
+        }
+    }
+}
+
+/// A job's detail as a terminal timeline.
+pub fn timeline_text(detail: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let s = |v: &serde_json::Value| v.as_str().unwrap_or("-").to_string();
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "job {}  {}  plugin {}  queue {}  attempt {}/{}  key {}  correlation {}",
+        detail["id"],
+        s(&detail["state"]).to_uppercase(),
+        s(&detail["plugin"]),
+        s(&detail["queue"]),
+        detail["attempt"],
+        detail["max_attempts"],
+        s(&detail["idempotency_key"]),
+        s(&detail["correlation_id"]),
+    );
+    let _ = writeln!(out, "\ntimeline");
+    for event in detail["timeline"].as_array().into_iter().flatten() {
+        let extra = if event["event"] == "attempt_failed" {
+            format!(
+                "  attempt {} {} {}: {}",
+                event["attempt"],
+                s(&event["class"]),
+                s(&event["code"]),
+                s(&event["message"])
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(out, "  {}  {}{extra}", s(&event["at"]), s(&event["event"]));
+    }
+    let _ = writeln!(out, "\neffects");
+    let effects = detail["effects"].as_array().cloned().unwrap_or_default();
+    if effects.is_empty() {
+        let _ = writeln!(out, "  (no stored plan)");
+    }
+    for e in &effects {
+        let _ = writeln!(
+            out,
+            "  {:<11} {:<44} {:<12} {:<8} result {}{}",
+            s(&e["status"]),
+            s(&e["key"]),
+            s(&e["provider"]),
+            s(&e["action"]),
+            s(&e["result_ref"]),
+            e["last_error_code"]
+                .as_str()
+                .map(|c| format!("  last error {c}"))
+                .unwrap_or_default()
+        );
+    }
+    out
+}

@@ -1,0 +1,234 @@
+//! Replay preview: the *current* plugin runs on each dead job's payload in
+//! the sandbox, and its plan is shown next to the stored one, key by key,
+//! with what the ledger says already happened. Nothing is stored, claimed
+//! or sent: the safe way to check a fix before replaying thousands of jobs.
+
+use super::OpsError;
+use crate::effects::{Effect, fingerprint, scope_plan};
+use crate::plugins::PluginRegistry;
+use crate::sandbox::{JobInput, RunError};
+use crate::store::{Job, Store};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One key of either plan.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct KeyDiff {
+    /// The (scoped) idempotency key.
+    pub key: String,
+    /// Provider.
+    pub provider: String,
+    /// Action kind (`email`, `http`, `enqueue`, `custom`).
+    pub action: &'static str,
+    /// `same` (in both plans, same request), `changed` (same key, a
+    /// different request: the ledger would refuse it as a conflict once the
+    /// old one ran), `new` (only in the new plan), `dropped` (only in the
+    /// stored plan).
+    pub change: &'static str,
+    /// The ledger's status of the key (`not_started` when it has none).
+    pub ledger: String,
+    /// The provider's reference, when the effect happened.
+    pub result_ref: Option<String>,
+}
+
+/// The preview of one dead job.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct JobPreview {
+    /// The job.
+    pub id: i64,
+    /// Its plugin.
+    pub plugin: String,
+    /// The code it died with.
+    pub code: Option<String>,
+    /// The plugin version that made the stored plan.
+    pub stored_plugin_hash: Option<String>,
+    /// The plugin version loaded now.
+    pub current_plugin_hash: Option<String>,
+    /// Whether the job has a stored plan (a plain replay carries it out).
+    pub has_stored_plan: bool,
+    /// The current plugin's failure on this payload, if it fails.
+    pub error: Option<PreviewError>,
+    /// Every key of either plan.
+    pub keys: Vec<KeyDiff>,
+    /// Keys that already happened (the ledger says succeeded).
+    pub already_done: usize,
+    /// One line for people.
+    pub verdict: String,
+}
+
+/// A failure of the current plugin on the payload.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct PreviewError {
+    /// Code.
+    pub code: String,
+    /// Class.
+    pub class: &'static str,
+    /// Message.
+    pub message: String,
+}
+
+/// Previews these dead jobs (any state is accepted; dead is the point).
+pub async fn preview_jobs(
+    store: &dyn Store,
+    registry: &PluginRegistry,
+    jobs: &[Job],
+) -> Result<Vec<JobPreview>, OpsError> {
+    let mut out = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        out.push(preview_one(store, registry, job).await?);
+    }
+    Ok(out)
+}
+
+async fn preview_one(
+    store: &dyn Store,
+    registry: &PluginRegistry,
+    job: &Job,
+) -> Result<JobPreview, OpsError> {
+    let stored: Vec<Effect> = job
+        .plan
+        .as_deref()
+        .and_then(|p| serde_json::from_str(p).ok())
+        .unwrap_or_default();
+    let mut preview = JobPreview {
+        id: job.id.0,
+        plugin: job.plugin.clone(),
+        code: job.last_error_code.clone(),
+        stored_plugin_hash: job.plugin_hash.clone(),
+        current_plugin_hash: None,
+        has_stored_plan: job.plan.is_some(),
+        error: None,
+        keys: Vec::new(),
+        already_done: 0,
+        verdict: String::new(),
+    };
+    let fresh = match registry.get(&job.plugin) {
+        None => {
+            preview.error = Some(PreviewError {
+                code: "plugin_not_found".into(),
+                class: "retryable",
+                message: format!("no plugin {:?} is loaded", job.plugin),
+            });
+            None
+        }
+        Some(plugin) => {
+            preview.current_plugin_hash = Some(plugin.hash().to_string());
+            let input = JobInput {
+                id: job.id.0,
+                queue: job.queue.clone(),
+                payload: job.payload.clone(),
+                attempt: 1,
+                max_attempts: job.max_attempts,
+                idempotency_key: job.idempotency_key.clone(),
+                correlation_id: job.correlation_id.clone(),
+                enqueued_at_ms: job.created_at_ms,
+            };
+            let sandbox = registry.sandbox().clone();
+            let compiled = plugin.compiled.clone();
+            let ran = tokio::task::spawn_blocking(move || sandbox.run(&compiled, &input))
+                .await
+                .map_err(|e| OpsError::Plugin(format!("the preview run did not finish: {e}")))?;
+            match ran {
+                Ok(plan) => match plugin.grants.refusals(&plan).first() {
+                    Some(refusal) => {
+                        preview.error = Some(PreviewError {
+                            code: "effect_not_allowed".into(),
+                            class: "permanent",
+                            message: refusal.to_string(),
+                        });
+                        None
+                    }
+                    None => Some(scope_plan(&job.plugin, plan)),
+                },
+                Err(RunError::Plugin(failure)) => {
+                    preview.error = Some(PreviewError {
+                        code: failure.code.clone(),
+                        class: failure.class.as_str(),
+                        message: failure.message.clone(),
+                    });
+                    None
+                }
+                Err(RunError::Unavailable(why)) => return Err(OpsError::Plugin(why)),
+            }
+        }
+    };
+    let new_plan = fresh.unwrap_or_default();
+    let mut keys: BTreeMap<String, KeyDiff> = BTreeMap::new();
+    let old: BTreeMap<&str, &Effect> = stored
+        .iter()
+        .map(|e| (e.idempotency_key.as_str(), e))
+        .collect();
+    for effect in &new_plan {
+        let change = match old.get(effect.idempotency_key.as_str()) {
+            Some(before) if fingerprint(before) == fingerprint(effect) => "same",
+            Some(_) => "changed",
+            None => "new",
+        };
+        keys.insert(effect.idempotency_key.clone(), diff(effect, change));
+    }
+    for effect in &stored {
+        keys.entry(effect.idempotency_key.clone())
+            .or_insert_with(|| diff(effect, "dropped"));
+    }
+    for entry in keys.values_mut() {
+        if let Some(record) = store.effect_get(&entry.key).await? {
+            entry.ledger = record.status.as_str().to_string();
+            entry.result_ref = record.result_ref.clone();
+            if record.in_doubt {
+                entry.ledger.push_str(" (in doubt)");
+            }
+        }
+    }
+    preview.already_done = keys.values().filter(|k| k.ledger == "succeeded").count();
+    preview.keys = keys.into_values().collect();
+    preview.verdict = verdict(&preview);
+    Ok(preview)
+}
+
+fn diff(effect: &Effect, change: &'static str) -> KeyDiff {
+    KeyDiff {
+        key: effect.idempotency_key.clone(),
+        provider: effect.provider.clone(),
+        action: effect.action.kind(),
+        change,
+        ledger: "not_started".into(),
+        result_ref: None,
+    }
+}
+
+fn verdict(p: &JobPreview) -> String {
+    if let Some(error) = &p.error {
+        return format!(
+            "the current plugin still fails on this payload ({}): a replay would fail again",
+            error.code
+        );
+    }
+    let count = |c: &str| p.keys.iter().filter(|k| k.change == c).count();
+    let (same, changed, new, dropped) = (
+        count("same"),
+        count("changed"),
+        count("new"),
+        count("dropped"),
+    );
+    if !p.has_stored_plan {
+        return format!(
+            "no stored plan: a replay runs the current plugin, which plans {new} effect(s)"
+        );
+    }
+    if changed > 0 {
+        return format!(
+            "{changed} key(s) now carry a different request: a replay keeps the stored plan; \
+             discarding it would meet idempotency_key_conflict for any key already used"
+        );
+    }
+    if new == 0 && dropped == 0 {
+        return format!(
+            "the same {same} key(s) and requests as the stored plan ({} already done): a replay is safe",
+            p.already_done
+        );
+    }
+    format!(
+        "{same} key(s) unchanged, {new} new, {dropped} dropped: a plain replay carries out the \
+         stored plan; `--discard-plan` would carry out the new one"
+    )
+}

@@ -1,0 +1,472 @@
+//! The HTTP API, end to end over a real socket: the token, every route's
+//! answers, the JSON errors, the replay with its preview, and a randomized
+//! run of malformed requests that must never get a 500 or a panic.
+
+use idem::ops::api::{ApiState, ROUTES, router};
+use idem::ops::auth::Token;
+use idem::store::{JobState, NewJob};
+use idem_provider_server::Fault;
+use idem_tests::{Backend, Harness, both_backends};
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+
+const TOKEN: &str = "test-token-0123456789abcdef";
+const KEY: &str = "send_invoice_email/invoice:42:email:v1";
+
+struct Api {
+    base: String,
+    client: reqwest::Client,
+    _server: tokio::task::JoinHandle<()>,
+}
+
+impl Api {
+    async fn start(h: &Harness) -> Api {
+        let state = ApiState {
+            store: h.store.clone(),
+            registry: Some(h.registry.clone()),
+            providers: h.providers(),
+            token: Some(Token::new(TOKEN).unwrap()),
+            metrics: None,
+            metrics_open: false,
+            replay_per_second: 1000.0,
+            default_max_attempts: 5,
+            worker: false,
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            axum::serve(listener, router(state)).await.unwrap();
+        });
+        Api {
+            base,
+            client: reqwest::Client::new(),
+            _server: server,
+        }
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut request = self
+            .client
+            .request(method.parse().unwrap(), format!("{}{path}", self.base))
+            .bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    async fn get(&self, path: &str) -> (u16, Value) {
+        self.call("GET", path, None).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call("POST", path, Some(body)).await
+    }
+}
+
+fn error_code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or("<no error code>")
+}
+
+async fn every_route_but_healthz_asks_for_the_token(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let api = Api::start(&h).await;
+    let anonymous = reqwest::Client::new();
+    for (method, path) in ROUTES {
+        let path = path.replace("{id}", "1");
+        let response = anonymous
+            .request(
+                method.to_uppercase().parse().unwrap(),
+                format!("{}{path}", api.base),
+            )
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        match path.as_str() {
+            "/healthz" | "/api/openapi.json" => assert_eq!(status, 200, "{path}"),
+            _ => {
+                assert_eq!(status, 401, "{method} {path} without a token");
+                let body: Value = response.json().await.unwrap();
+                assert_eq!(error_code(&body), "unauthorized", "{path}");
+            }
+        }
+    }
+    let wrong = anonymous
+        .get(format!("{}/api/queues", api.base))
+        .bearer_auth("test-token-0123456789abcdeX")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status().as_u16(), 401);
+    let (status, _) = api.get("/api/queues").await;
+    assert_eq!(status, 200);
+    // The dashboard sends a browser without a session to sign in.
+    let page = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+        .get(format!("{}/ui", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status().as_u16(), 303);
+    assert_eq!(page.headers()["location"], "/ui/login");
+}
+
+async fn enqueue_list_show_and_cancel(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let api = Api::start(&h).await;
+    let job = json!({"plugin": "noop", "payload": {"n": 1}, "key": "order-1", "queue": "billing", "priority": 3, "correlation_id": "c-1"});
+    let (status, first) = api.post("/api/jobs", job.clone()).await;
+    assert_eq!(status, 201, "{first}");
+    let (status, again) = api.post("/api/jobs", job).await;
+    assert_eq!(status, 200, "a repeated key returns the same job");
+    assert_eq!(again["id"], first["id"]);
+    assert_eq!(again["inserted"], false);
+    let (status, batch) = api
+        .post(
+            "/api/jobs/batch",
+            json!({"jobs": [{"plugin": "noop"}, {"plugin": "noop", "delay": "1h"}, {"plugin": "noop", "key": "order-1", "queue": "billing"}]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    let ids: Vec<i64> = batch["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        ids[2],
+        first["id"].as_i64().unwrap(),
+        "dedup inside a batch"
+    );
+
+    let (_, page) = api.get("/api/jobs?limit=2").await;
+    assert_eq!(page["jobs"].as_array().unwrap().len(), 2);
+    let next = page["next_before"].as_i64().expect("a second page");
+    let (_, rest) = api.get(&format!("/api/jobs?limit=2&before={next}")).await;
+    assert_eq!(rest["jobs"].as_array().unwrap().len(), 1);
+    assert_eq!(rest["next_before"], Value::Null);
+    let (_, billing) = api.get("/api/jobs?queue=billing").await;
+    assert_eq!(billing["jobs"].as_array().unwrap().len(), 1);
+
+    let id = first["id"].as_i64().unwrap();
+    let (status, detail) = api.get(&format!("/api/jobs/{id}")).await;
+    assert_eq!(status, 200);
+    assert_eq!(detail["state"], "available");
+    assert_eq!(detail["queue"], "billing");
+    assert_eq!(detail["payload"], json!({"n": 1}));
+    assert_eq!(detail["correlation_id"], "c-1");
+    assert_eq!(detail["timeline"][0]["event"], "enqueued");
+
+    let (status, cancelled) = api.post(&format!("/api/jobs/{id}/cancel"), json!({})).await;
+    assert_eq!(status, 200, "{cancelled}");
+    let (status, again) = api.post(&format!("/api/jobs/{id}/cancel"), json!({})).await;
+    assert_eq!(status, 409, "{again}");
+    assert_eq!(error_code(&again), "not_cancellable");
+    let (status, missing) = api.get("/api/jobs/999999").await;
+    assert_eq!((status, error_code(&missing)), (404, "not_found"));
+    let (status, queues) = api.get("/api/queues").await;
+    assert_eq!(status, 200);
+    assert_eq!(queues["total"]["jobs"]["cancelled"], 1);
+    let names: Vec<&str> = queues["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["queue"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["billing", "default"]);
+}
+
+async fn bad_requests_get_clear_json_errors(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let api = Api::start(&h).await;
+    let cases: Vec<(&str, &str, Option<Value>, u16, &str)> = vec![
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"payload": {}})),
+            400,
+            "invalid_json",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "surprise": 1})),
+            400,
+            "invalid_json",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "key": "bad\nkey"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "", "payload": 1})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "delay": "soon"})),
+            400,
+            "invalid_json",
+        ),
+        (
+            "POST",
+            "/api/jobs/batch",
+            Some(json!({"jobs": []})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "GET",
+            "/api/jobs?state=exploded",
+            None,
+            400,
+            "invalid_request",
+        ),
+        ("GET", "/api/jobs?limit=-1", None, 400, "invalid_request"),
+        ("GET", "/api/jobs/abc", None, 400, "invalid_request"),
+        ("GET", "/api/jobs/-3", None, 400, "invalid_request"),
+        (
+            "POST",
+            "/api/dlq/replay",
+            Some(json!({})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/dlq/replay",
+            Some(json!({"ids": [0]})),
+            400,
+            "invalid_request",
+        ),
+        ("GET", "/api/nothing-here", None, 404, "not_found"),
+    ];
+    for (method, path, body, status, code) in cases {
+        let (got, answer) = api.call(method, path, body).await;
+        assert_eq!(
+            (got, error_code(&answer)),
+            (status, code),
+            "{method} {path}: {answer}"
+        );
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    // Not JSON at all, and a body over the cap.
+    let raw = api
+        .client
+        .post(format!("{}/api/jobs", api.base))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status().as_u16(), 400);
+    let huge = "x".repeat(idem::ops::api::MAX_BODY_BYTES + 10);
+    let big = api
+        .client
+        .post(format!("{}/api/jobs", api.base))
+        .bearer_auth(TOKEN)
+        .json(&json!({"plugin": "noop", "payload": huge}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(big.status().as_u16(), 413);
+    let body: Value = big.json().await.unwrap();
+    assert_eq!(error_code(&body), "body_too_large");
+    // Nothing was enqueued by any of it.
+    assert_eq!(
+        h.store
+            .queue_stats(None)
+            .await
+            .unwrap()
+            .count(JobState::Available),
+        0
+    );
+}
+
+async fn a_dead_job_is_previewed_then_replayed(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let id = h
+        .store
+        .job_insert(NewJob::new(
+            "send_invoice_email",
+            br#"{"invoice_id": 42, "recipient": "ana@example.com"}"#.to_vec(),
+        ))
+        .await
+        .unwrap()
+        .id;
+    h.provider.script_faults(KEY, vec![Fault::BadRequest]);
+    h.drain().await;
+    let api = Api::start(&h).await;
+    let (_, dlq) = api.get("/api/dlq").await;
+    assert_eq!(dlq["by_code"], json!([{"code": "bad_request", "jobs": 1}]));
+    assert_eq!(dlq["jobs"][0]["id"], id.0);
+
+    let (status, preview) = api.post("/api/dlq/preview", json!({"ids": [id.0]})).await;
+    assert_eq!(status, 200, "{preview}");
+    let job = &preview["jobs"][0];
+    assert_eq!(job["keys"][0]["key"], KEY);
+    assert_eq!(job["keys"][0]["change"], "same");
+    assert_eq!(job["keys"][0]["ledger"], "failed");
+    assert!(job["verdict"].as_str().unwrap().contains("safe"), "{job}");
+    // The dry run changed nothing.
+    assert_eq!(
+        h.store.job_get(id).await.unwrap().unwrap().state,
+        JobState::Dead
+    );
+    let (_, dry) = api
+        .post("/api/dlq/replay", json!({"ids": [id.0], "dry_run": true}))
+        .await;
+    assert_eq!(dry["dry_run"], true);
+
+    let (status, report) = api
+        .post("/api/dlq/replay", json!({"code": "bad_request"}))
+        .await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["replayed"][0]["id"], id.0);
+    assert_eq!(report["refused"], json!([]));
+    h.drain().await;
+    let (_, detail) = api.get(&format!("/api/jobs/{id}")).await;
+    assert_eq!(detail["state"], "succeeded", "{detail}");
+    assert_eq!(detail["effects"][0]["status"], "succeeded");
+    assert_eq!(h.provider.applied(KEY), 1);
+}
+
+async fn the_openapi_document_lists_every_route(_backend: Backend) {
+    let doc: Value = serde_json::from_str(idem::ops::api::OPENAPI).unwrap();
+    assert_eq!(doc["openapi"], "3.0.3");
+    for (method, path) in ROUTES {
+        assert!(
+            doc["paths"][path][method].is_object(),
+            "{method} {path} is not documented"
+        );
+    }
+    let documented: usize = doc["paths"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p.as_object().unwrap().len())
+        .sum();
+    assert_eq!(documented, ROUTES.len(), "a documented route is not served");
+}
+
+/// Randomized requests: mutated bodies, odd query strings and paths. None
+/// may produce a 5xx other than 503, every error is the JSON error shape,
+/// and the server keeps answering.
+async fn malformed_requests_never_break_the_api(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let api = Api::start(&h).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x1de5);
+    let seeds = [
+        r#"{"plugin":"noop","payload":{"a":[1,2,{"b":null}]},"key":"k-1","delay":"5s","priority":1}"#,
+        r#"{"jobs":[{"plugin":"noop"},{"plugin":"noop","queue":"q"}]}"#,
+        r#"{"ids":[1,2,3],"discard_plan":false,"dry_run":true}"#,
+        r#"{"code":"bad_request","all":false}"#,
+    ];
+    let posts = [
+        "/api/jobs",
+        "/api/jobs/batch",
+        "/api/dlq/replay",
+        "/api/dlq/preview",
+        "/api/jobs/1/cancel",
+    ];
+    let alphabet: Vec<char> = "{}[]\":,0123456789-.eE truefalsnul\\/\u{0}\u{7f}é€😀"
+        .chars()
+        .collect();
+    for round in 0..400 {
+        let seed = seeds[round % seeds.len()];
+        let mut body: Vec<char> = seed.chars().collect();
+        for _ in 0..rng.random_range(1..6) {
+            let at = rng.random_range(0..=body.len());
+            match rng.random_range(0..4) {
+                0 if at < body.len() => {
+                    body.remove(at);
+                }
+                1 => body.insert(at, alphabet[rng.random_range(0..alphabet.len())]),
+                2 => body.truncate(at),
+                _ => {
+                    let n = rng.random_range(0..3000);
+                    body.splice(at..at, std::iter::repeat_n('9', n));
+                }
+            }
+        }
+        let body: String = body.into_iter().collect();
+        let path = posts[rng.random_range(0..posts.len())];
+        let response = api
+            .client
+            .post(format!("{}{path}", api.base))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        assert!(
+            status < 500 || status == 503,
+            "{path} {body:?} -> {status} {text}"
+        );
+        if status >= 400 {
+            let answer: Value =
+                serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+            assert!(answer["error"]["code"].is_string(), "{text}");
+        }
+        let query: String = (0..rng.random_range(0..40))
+            .map(|_| {
+                [
+                    "state=",
+                    "limit=",
+                    "before=",
+                    "&",
+                    "%",
+                    "%FF",
+                    "=",
+                    "dead",
+                    "-1",
+                    "99999999999999999999",
+                    "queue=",
+                    "😀",
+                ][rng.random_range(0..12)]
+            })
+            .collect();
+        let get = format!("/api/jobs?{query}");
+        let (status, answer) = api.get(&get).await;
+        assert!(status < 500 || status == 503, "{get} -> {status} {answer}");
+        if status >= 400 {
+            assert!(answer["error"]["code"].is_string(), "{get}: {answer}");
+        }
+    }
+    let (status, _) = api.get("/api/queues").await;
+    assert_eq!(status, 200, "still serving");
+}
+
+both_backends!(
+    every_route_but_healthz_asks_for_the_token,
+    enqueue_list_show_and_cancel,
+    bad_requests_get_clear_json_errors,
+    a_dead_job_is_previewed_then_replayed,
+    the_openapi_document_lists_every_route,
+    malformed_requests_never_break_the_api,
+);
