@@ -28,7 +28,7 @@ impl Api {
             token: Some(Token::new(TOKEN).unwrap()),
             metrics: None,
             metrics_open: false,
-            replay_per_second: 1000.0,
+            replay: std::sync::Arc::new(idem::ops::replay::Pacer::per_second(1000.0).unwrap()),
             default_max_attempts: 5,
             worker: false,
         };
@@ -470,3 +470,65 @@ both_backends!(
     the_openapi_document_lists_every_route,
     malformed_requests_never_break_the_api,
 );
+
+/// The dashboard's cookie carries the token, and a browser sends it along
+/// with a form another page on the same site submits: a change made with
+/// the cookie must come from the dashboard's own origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cookie_alone_cannot_change_anything_from_another_origin() {
+    let h = Harness::new(Backend::Sqlite).await;
+    let api = Api::start(&h).await;
+    let id = h
+        .store
+        .job_insert(NewJob::new("noop", b"{}".to_vec()))
+        .await
+        .unwrap()
+        .id;
+    let host = api.base.trim_start_matches("http://").to_string();
+    let cookie = format!("idem_token={TOKEN}");
+    let cancel = |origin: Option<String>, site: Option<&'static str>| {
+        let mut request = api
+            .client
+            .post(format!("{}/api/jobs/{id}/cancel", api.base))
+            .header("cookie", cookie.clone());
+        if let Some(origin) = origin {
+            request = request.header("origin", origin);
+        }
+        if let Some(site) = site {
+            request = request.header("sec-fetch-site", site);
+        }
+        request.send()
+    };
+    let read = api
+        .client
+        .get(format!("{}/api/jobs/{id}", api.base))
+        .header("cookie", cookie.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        read.status().as_u16(),
+        200,
+        "reading with the cookie is fine"
+    );
+    for (origin, site) in [
+        (None, None),
+        (Some("http://127.0.0.1:1".to_string()), None),
+        (Some(format!("http://{host}")), Some("same-site")),
+    ] {
+        let refused = cancel(origin.clone(), site).await.unwrap();
+        assert_eq!(refused.status().as_u16(), 403, "{origin:?} {site:?}");
+        let body: Value = refused.json().await.unwrap();
+        assert_eq!(error_code(&body), "cross_origin_refused");
+    }
+    assert_eq!(
+        h.store.job_get(id).await.unwrap().unwrap().state,
+        JobState::Available
+    );
+    let allowed = cancel(Some(format!("http://{host}")), None).await.unwrap();
+    assert_eq!(allowed.status().as_u16(), 200);
+    assert_eq!(
+        h.store.job_get(id).await.unwrap().unwrap().state,
+        JobState::Cancelled
+    );
+}

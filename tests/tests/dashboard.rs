@@ -125,7 +125,7 @@ async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
         token: Some(Token::new(TOKEN).unwrap()),
         metrics: None,
         metrics_open: false,
-        replay_per_second: 100.0,
+        replay: std::sync::Arc::new(idem::ops::replay::Pacer::per_second(100.0).unwrap()),
         default_max_attempts: 5,
         worker: true,
     };
@@ -178,7 +178,11 @@ async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
     let queues = wait_for(&client, "queues").await.text().await.unwrap();
     assert_eq!(client.current_url().await.unwrap().path(), "/ui");
     assert!(queues.contains("all queues"), "{queues}");
-    let dead_count = wait_for(&client, "c-*-dead").await.text().await.unwrap();
+    let dead_count = wait_for(&client, "c-total-dead")
+        .await
+        .text()
+        .await
+        .unwrap();
     assert_eq!(dead_count, "1");
     screenshot(&client, "overview").await;
 

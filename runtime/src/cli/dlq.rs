@@ -55,6 +55,9 @@ pub enum DlqCommand {
         /// With --dry-run: print JSON.
         #[arg(long)]
         json: bool,
+        /// With --dry-run: most jobs previewed (the plugin runs once for each).
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
     },
 }
 
@@ -80,6 +83,7 @@ pub async fn run(
             discard_plan,
             dry_run,
             json,
+            limit,
         } => {
             let filter = ReplayFilter {
                 ids,
@@ -88,7 +92,7 @@ pub async fn run(
                 all,
             };
             if dry_run {
-                return preview(config, plugins_dir, filter, json).await;
+                return preview(config, plugins_dir, filter, json, limit).await;
             }
             replay(config, filter, &rate, discard_plan).await
         }
@@ -206,15 +210,14 @@ struct ReplayFilter {
 }
 
 impl ReplayFilter {
-    fn request(self, per_second: f64, discard_plan: bool) -> crate::ops::replay::ReplayRequest {
+    fn request(self, discard_plan: bool, limit: u32) -> crate::ops::replay::ReplayRequest {
         crate::ops::replay::ReplayRequest {
             ids: self.ids.into_iter().map(JobId).collect(),
             plugin: self.plugin,
             code: self.code,
             all: self.all,
             discard_plan,
-            per_second,
-            limit: 0,
+            limit,
         }
     }
 }
@@ -233,9 +236,13 @@ async fn replay(
     rate: &str,
     discard_plan: bool,
 ) -> Result<(), CliError> {
-    let per_second = parse_rate(rate).map_err(CliError::Usage)?;
+    let pacer = parse_rate(rate)
+        .and_then(crate::ops::replay::Pacer::per_second)
+        .map_err(CliError::Usage)?;
+    let request = filter.request(discard_plan, 0);
+    request.check().map_err(ops_error)?;
     let store = store(config).await?;
-    let report = crate::ops::replay::replay(&*store, filter.request(per_second, discard_plan))
+    let report = crate::ops::replay::replay(&*store, request, &pacer)
         .await
         .map_err(ops_error)?;
     for job in &report.replayed {
@@ -274,19 +281,32 @@ async fn preview(
     plugins_dir: &std::path::Path,
     filter: ReplayFilter,
     as_json: bool,
+    limit: u32,
 ) -> Result<(), CliError> {
+    let request = filter.request(false, limit.max(1));
+    request.check().map_err(ops_error)?;
     let registry = super::plugins::registry(config, plugins_dir)?;
     let store = store(config).await?;
-    let request = filter.request(1.0, false);
-    let jobs = crate::ops::replay::selected(&*store, &request)
+    let mut jobs = crate::ops::replay::selected(&*store, &request)
         .await
         .map_err(ops_error)?;
+    let more = jobs.len() > request.limit as usize;
+    jobs.truncate(request.limit as usize);
     let previews = crate::ops::preview::preview_jobs(&*store, &registry, &jobs)
         .await
         .map_err(ops_error)?;
     if as_json {
-        println!("{}", json!({"dry_run": true, "jobs": previews}));
+        println!(
+            "{}",
+            json!({"dry_run": true, "jobs": previews, "more": more})
+        );
         return Ok(());
+    }
+    if more {
+        eprintln!(
+            "(more dead jobs match: showing the newest {}; raise --limit)",
+            request.limit
+        );
     }
     if previews.is_empty() {
         eprintln!("no dead job matches");

@@ -27,6 +27,22 @@ pub struct HttpArgs {
     /// Dead jobs replayed per second through the API and the dashboard.
     #[arg(long, default_value = "10/s")]
     pub replay_rate: String,
+    /// Serve metrics and the health check only (`idem run --metrics-listen`).
+    #[arg(skip)]
+    pub metrics_only: bool,
+}
+
+impl HttpArgs {
+    /// `/metrics` without a token and `/healthz`; the API and the dashboard
+    /// refuse everything whatever `IDEM_API_TOKEN` says.
+    pub fn metrics_only() -> Self {
+        HttpArgs {
+            api_token_file: None,
+            metrics_open: true,
+            replay_rate: "10/s".into(),
+            metrics_only: true,
+        }
+    }
 }
 
 /// Binds the HTTP address before anything else starts, so a taken port is
@@ -50,13 +66,18 @@ pub fn start(
     worker: bool,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, CliError> {
-    let token = Token::from_config(args.api_token_file.as_deref()).map_err(CliError::Usage)?;
-    if token.is_none() {
+    let token = if args.metrics_only {
+        None
+    } else {
+        Token::from_config(args.api_token_file.as_deref()).map_err(CliError::Usage)?
+    };
+    if token.is_none() && !args.metrics_only {
         eprintln!(
             "warning: no API token (IDEM_API_TOKEN or --api-token-file): only /healthz and /metrics answer; the API and the dashboard refuse every request"
         );
     }
-    let per_second = crate::ops::replay::parse_rate(&args.replay_rate)
+    let pacer = crate::ops::replay::parse_rate(&args.replay_rate)
+        .and_then(crate::ops::replay::Pacer::per_second)
         .map_err(|e| CliError::Usage(format!("--replay-rate: {e}")))?;
     let metrics = crate::metrics::install_prometheus().map_err(|e| {
         CliError::Runtime(anyhow::anyhow!("cannot install the metrics recorder: {e}"))
@@ -68,7 +89,7 @@ pub fn start(
         token,
         metrics: Some(metrics),
         metrics_open: args.metrics_open,
-        replay_per_second: per_second,
+        replay: Arc::new(pacer),
         default_max_attempts: config.worker.max_attempts,
         worker,
     };
@@ -98,9 +119,17 @@ pub struct ServeArgs {
 pub async fn serve(config: &Config, plugins_dir: &Path, args: ServeArgs) -> Result<(), CliError> {
     let listener = bind(args.listen).await?;
     let store = store(config).await?;
-    // Plugins are loaded for replay previews; a folder that does not exist
-    // leaves previews unavailable, not the API.
-    let registry = super::plugins::registry(config, plugins_dir).ok();
+    // Plugins are loaded for replay previews (and kept current, so a fixed
+    // `.wasm` dropped in the folder is what the preview runs); a folder that
+    // cannot be read leaves previews unavailable, not the API.
+    let registry = match super::plugins::registry(config, plugins_dir) {
+        Ok(registry) => Some(registry),
+        Err(error) => {
+            eprintln!("warning: no plugins for replay previews: {error}");
+            None
+        }
+    };
+    let _watcher = registry.as_ref().and_then(|r| r.watch().ok());
     let shutdown = CancellationToken::new();
     let signal = shutdown.clone();
     tokio::spawn(async move {
@@ -119,9 +148,10 @@ pub async fn serve(config: &Config, plugins_dir: &Path, args: ServeArgs) -> Resu
         registry,
         Providers::default(),
         false,
-        shutdown,
+        shutdown.clone(),
     )?;
-    let _ = server.await;
+    shutdown.cancelled().await;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), server).await;
     Ok(())
 }
 

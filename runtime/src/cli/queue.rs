@@ -305,10 +305,13 @@ pub struct RunArgs {
     #[arg(long)]
     pub queues: Option<String>,
     /// Serve the HTTP surface on this address: the API under `/api/`, the
-    /// dashboard at `/ui`, `/metrics` and `/healthz` (`--metrics-listen` is
-    /// the older name).
-    #[arg(long = "listen", alias = "metrics-listen")]
+    /// dashboard at `/ui`, `/metrics` and `/healthz`.
+    #[arg(long, conflicts_with = "metrics_listen")]
     pub listen: Option<std::net::SocketAddr>,
+    /// Serve only `/metrics` (without a token) and `/healthz` on this
+    /// address, as before `--listen` existed.
+    #[arg(long)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub http: super::ops::HttpArgs,
     /// Print the run summary as JSON on stdout when the worker stops.
@@ -318,9 +321,10 @@ pub struct RunArgs {
 
 /// `idem run`
 pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(), CliError> {
-    let listener = match args.listen {
-        Some(addr) => Some(super::ops::bind(addr).await?),
-        None => None,
+    let (listener, metrics_only) = match (args.listen, args.metrics_listen) {
+        (Some(addr), _) => (Some(super::ops::bind(addr).await?), false),
+        (None, Some(addr)) => (Some(super::ops::bind(addr).await?), true),
+        (None, None) => (None, false),
     };
     let providers = Providers::for_store(&config.providers, &config.database_url)
         .map_err(|e| CliError::Usage(e.to_string()))?;
@@ -377,7 +381,11 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
     let http = match listener {
         Some(listener) => Some(super::ops::start(
             listener,
-            &args.http,
+            &if metrics_only {
+                super::ops::HttpArgs::metrics_only()
+            } else {
+                args.http.clone()
+            },
             config,
             store.clone(),
             Some(registry.clone()),
@@ -395,7 +403,8 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
     shutdown.cancel();
     let _ = rescan.await;
     if let Some(http) = http {
-        let _ = http.await;
+        // A client that never finishes its request must not hold the exit.
+        let _ = tokio::time::timeout(Duration::from_secs(5), http).await;
     }
     if args.summary {
         let stats = store

@@ -8,7 +8,7 @@
 //! bodies are capped; no input makes a handler panic.
 
 use super::auth::{self, Token};
-use super::replay::{ReplayRequest, replay, selected};
+use super::replay::{Pacer, ReplayRequest, replay, selected};
 use super::view::{self, JobQuery};
 use super::{OpsError, preview};
 use crate::plugins::PluginRegistry;
@@ -49,8 +49,9 @@ pub struct ApiState {
     pub metrics: Option<PrometheusHandle>,
     /// Serve `/metrics` without the token.
     pub metrics_open: bool,
-    /// Dead jobs replayed per second.
-    pub replay_per_second: f64,
+    /// Paces replays across every request (the rate is the process's, not
+    /// each request's).
+    pub replay: Arc<Pacer>,
     /// Attempts of an enqueued job when neither request nor manifest says.
     pub default_max_attempts: u32,
     /// Whether a worker runs in this process (`idem run`).
@@ -60,9 +61,9 @@ pub struct ApiState {
 /// An error answer: a status and `{"error":{"code","message"}}`.
 #[derive(Debug)]
 pub struct ApiError {
-    status: StatusCode,
-    code: &'static str,
-    message: String,
+    pub(super) status: StatusCode,
+    pub(super) code: &'static str,
+    pub(super) message: String,
 }
 
 impl ApiError {
@@ -206,7 +207,21 @@ async fn require_token(State(state): State<ApiState>, request: Request, next: Ne
         .into_response();
     };
     match auth::presented(request.headers()) {
-        Some(candidate) if token.matches(&candidate) => next.run(request).await,
+        Some((candidate, source)) if token.matches(&candidate) => {
+            let safe = matches!(
+                *request.method(),
+                axum::http::Method::GET | axum::http::Method::HEAD
+            );
+            if source == auth::Source::Cookie && !safe && !auth::same_origin(request.headers()) {
+                return ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "cross_origin_refused",
+                    "a change made with the dashboard's cookie must come from the dashboard's own pages",
+                )
+                .into_response();
+            }
+            next.run(request).await
+        }
         presented => {
             if request.uri().path().starts_with("/ui") {
                 return super::ui::login_redirect(request.uri().path());
@@ -234,12 +249,17 @@ async fn not_found() -> ApiError {
 async fn healthz(State(state): State<ApiState>) -> Response {
     match state.store.job_get(JobId(0)).await {
         Ok(_) => axum::Json(json!({"status": "ok", "backend": state.store.backend().as_str(), "worker": state.worker})).into_response(),
-        Err(error) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
-            format!("the store cannot be read: {error}"),
-        )
-        .into_response(),
+        Err(error) => {
+            // The detail (hosts, users, paths) goes to the log, not to
+            // whoever asks without a token.
+            tracing::warn!(%error, "health check: the store cannot be read");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                "the store cannot be read (see the runtime's log)",
+            )
+            .into_response()
+        }
     }
 }
 
@@ -469,7 +489,8 @@ async fn dead_letters(
     query: Result<Query<DlqQuery>, QueryRejection>,
 ) -> ApiResult {
     let Query(query) = query?;
-    let overview = view::overview(&*state.store).await?;
+    let mut codes = state.store.queue_stats(None).await?.dead_by_code;
+    codes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let mut page = view::job_page(
         &*state.store,
         JobQuery {
@@ -482,7 +503,11 @@ async fn dead_letters(
         },
     )
     .await?;
-    page["by_code"] = serde_json::to_value(overview.dead_by_code).unwrap_or_default();
+    page["by_code"] = codes
+        .into_iter()
+        .map(|(code, jobs)| json!({"code": code, "jobs": jobs}))
+        .collect::<Vec<_>>()
+        .into();
     ok(page)
 }
 
@@ -502,7 +527,7 @@ pub struct ReplayBody {
     dry_run: bool,
 }
 
-fn replay_request(state: &ApiState, body: &ReplayBody) -> Result<ReplayRequest, ApiError> {
+fn replay_request(body: &ReplayBody) -> Result<ReplayRequest, ApiError> {
     if body.ids.iter().any(|id| *id <= 0) {
         return Err(ApiError::bad_request("job ids are positive integers"));
     }
@@ -517,7 +542,6 @@ fn replay_request(state: &ApiState, body: &ReplayBody) -> Result<ReplayRequest, 
         code: body.code.clone(),
         all: body.all,
         discard_plan: body.discard_plan,
-        per_second: state.replay_per_second,
         limit: MAX_REPLAY,
     })
 }
@@ -530,8 +554,8 @@ async fn replay_dead(
     if body.dry_run {
         return preview_body(&state, &body).await;
     }
-    let request = replay_request(&state, &body)?;
-    let report = replay(&*state.store, request).await?;
+    let request = replay_request(&body)?;
+    let report = replay(&*state.store, request, &state.replay).await?;
     ok(serde_json::to_value(report).unwrap_or_default())
 }
 
@@ -551,7 +575,7 @@ async fn preview_body(state: &ApiState, body: &ReplayBody) -> ApiResult {
             "this process loads no plugins: start it with a plugins folder",
         ));
     };
-    let request = replay_request(state, body)?;
+    let request = replay_request(body)?;
     let mut jobs = selected(&*state.store, &request).await?;
     let more = jobs.len() > MAX_REPLAY as usize;
     jobs.truncate(MAX_REPLAY as usize);

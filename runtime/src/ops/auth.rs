@@ -72,9 +72,19 @@ impl Token {
     }
 }
 
+/// Where a request's token came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// `Authorization: Bearer T` (a program).
+    Header,
+    /// The dashboard's cookie (a browser, which also sends it on requests
+    /// other pages make: see [`same_origin`]).
+    Cookie,
+}
+
 /// The token a request carries: `Authorization: Bearer T`, or the
 /// dashboard's cookie.
-pub fn presented(headers: &axum::http::HeaderMap) -> Option<String> {
+pub fn presented(headers: &axum::http::HeaderMap) -> Option<(String, Source)> {
     if let Some(value) = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -82,7 +92,7 @@ pub fn presented(headers: &axum::http::HeaderMap) -> Option<String> {
         let (scheme, token) = value.split_once(' ')?;
         return scheme
             .eq_ignore_ascii_case("bearer")
-            .then(|| token.trim().to_string());
+            .then(|| (token.trim().to_string(), Source::Header));
     }
     headers
         .get_all(axum::http::header::COOKIE)
@@ -91,7 +101,25 @@ pub fn presented(headers: &axum::http::HeaderMap) -> Option<String> {
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
         .find(|(name, _)| *name == COOKIE)
-        .map(|(_, value)| value.to_string())
+        .map(|(_, value)| (value.to_string(), Source::Cookie))
+}
+
+/// Whether a browser request comes from the dashboard's own origin: its
+/// `Sec-Fetch-Site` says `same-origin`, or its `Origin` names the host it
+/// was sent to. A cookie alone does not tell: a page on another port of the
+/// same host, or a sibling subdomain, is "same site" and gets the cookie
+/// sent along with a form it submits here.
+pub fn same_origin(headers: &axum::http::HeaderMap) -> bool {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    if let Some(site) = header("sec-fetch-site") {
+        return site == "same-origin";
+    }
+    match (header("origin"), header("host")) {
+        (Some(origin), Some(host)) => origin
+            .split_once("://")
+            .is_some_and(|(_, rest)| rest.trim_end_matches('/') == host),
+        _ => false,
+    }
 }
 
 #[cfg(test)]
@@ -104,11 +132,32 @@ mod tests {
         let mut headers = HeaderMap::new();
         assert_eq!(presented(&headers), None);
         headers.insert("cookie", HeaderValue::from_static("a=b; idem_token=t1"));
-        assert_eq!(presented(&headers).as_deref(), Some("t1"));
+        assert_eq!(presented(&headers), Some(("t1".into(), Source::Cookie)));
         headers.insert("authorization", HeaderValue::from_static("Bearer t2"));
-        assert_eq!(presented(&headers).as_deref(), Some("t2"));
+        assert_eq!(presented(&headers), Some(("t2".into(), Source::Header)));
         headers.insert("authorization", HeaderValue::from_static("Basic t2"));
         assert_eq!(presented(&headers), None);
+    }
+
+    #[test]
+    fn only_the_dashboards_own_origin_counts_as_same_origin() {
+        let mut headers = HeaderMap::new();
+        assert!(!same_origin(&headers), "nothing says so");
+        headers.insert("host", HeaderValue::from_static("idem.example:9090"));
+        headers.insert(
+            "origin",
+            HeaderValue::from_static("http://idem.example:9090"),
+        );
+        assert!(same_origin(&headers));
+        headers.insert(
+            "origin",
+            HeaderValue::from_static("http://idem.example:8080"),
+        );
+        assert!(!same_origin(&headers), "another port is another origin");
+        headers.insert("sec-fetch-site", HeaderValue::from_static("same-site"));
+        assert!(!same_origin(&headers));
+        headers.insert("sec-fetch-site", HeaderValue::from_static("same-origin"));
+        assert!(same_origin(&headers));
     }
 
     #[test]

@@ -153,35 +153,79 @@ async fn preview_one(
         }
     };
     let new_plan = fresh.unwrap_or_default();
+    if preview.error.is_none()
+        && let Some(bad) = new_plan
+            .iter()
+            .find(|e| crate::store::check_key(&e.idempotency_key).is_err())
+    {
+        preview.error = Some(PreviewError {
+            code: "invalid_idempotency_key".into(),
+            class: "permanent",
+            message: format!("the key {:?} is not usable", bad.idempotency_key),
+        });
+    }
+    // Plans stored before keys were scoped hold the plugin's bare keys; they
+    // ran under those, and a new plan's `PLUGIN/KEY` is the same operation.
+    let scoped = |key: &str| {
+        if key.starts_with(&format!("{}/", job.plugin)) {
+            key.to_string()
+        } else {
+            crate::effects::scoped_key(&job.plugin, key)
+        }
+    };
     let mut keys: BTreeMap<String, KeyDiff> = BTreeMap::new();
-    let old: BTreeMap<&str, &Effect> = stored
+    let old: BTreeMap<String, &Effect> = stored
         .iter()
-        .map(|e| (e.idempotency_key.as_str(), e))
+        .map(|e| (scoped(&e.idempotency_key), e))
         .collect();
     for effect in &new_plan {
-        let change = match old.get(effect.idempotency_key.as_str()) {
-            Some(before) if fingerprint(before) == fingerprint(effect) => "same",
-            Some(_) => "changed",
-            None => "new",
+        let (change, ran_as) = match old.get(&effect.idempotency_key) {
+            Some(before) if fingerprint(before) == fingerprint(effect) => {
+                ("same", before.idempotency_key.clone())
+            }
+            Some(before) => ("changed", before.idempotency_key.clone()),
+            None => ("new", effect.idempotency_key.clone()),
         };
-        keys.insert(effect.idempotency_key.clone(), diff(effect, change));
+        let mut entry = diff(effect, change);
+        entry.key = ran_as;
+        keys.insert(effect.idempotency_key.clone(), entry);
     }
-    for effect in &stored {
-        keys.entry(effect.idempotency_key.clone())
+    for (matching, effect) in &old {
+        keys.entry(matching.clone())
             .or_insert_with(|| diff(effect, "dropped"));
     }
+    let mut in_doubt = Vec::new();
     for entry in keys.values_mut() {
-        if let Some(record) = store.effect_get(&entry.key).await? {
+        let mut record = store.effect_get(&entry.key).await?;
+        if record.is_none()
+            && let Some(bare) = entry.key.strip_prefix(&format!("{}/", job.plugin))
+        {
+            // As the executor does: a key an older release carried out bare.
+            record = store
+                .effect_get(bare)
+                .await?
+                .filter(|r| r.plugin == job.plugin);
+        }
+        if let Some(record) = record {
             entry.ledger = record.status.as_str().to_string();
             entry.result_ref = record.result_ref.clone();
             if record.in_doubt {
                 entry.ledger.push_str(" (in doubt)");
+                in_doubt.push(record.key.clone());
             }
         }
     }
     preview.already_done = keys.values().filter(|k| k.ledger == "succeeded").count();
     preview.keys = keys.into_values().collect();
-    preview.verdict = verdict(&preview);
+    preview.verdict = if crate::store::is_redacted_payload(&job.payload) && job.plan.is_none() {
+        "its payload was redacted and it has no plan: a replay skips it; enqueue it again from the source".into()
+    } else if let Some(key) = in_doubt.first() {
+        format!(
+            "a replay is refused until {key:?} is resolved: it may have happened and idem will not send it again (`idem effects resolve {key} --applied` or `--not-applied`)"
+        )
+    } else {
+        verdict(&preview)
+    };
     Ok(preview)
 }
 

@@ -19,8 +19,6 @@ pub struct ReplayRequest {
     pub all: bool,
     /// Drop each job's stored plan so the (fixed) plugin makes a new one.
     pub discard_plan: bool,
-    /// Most jobs replayed per second.
-    pub per_second: f64,
     /// Most jobs handled by this request (0: all selected).
     pub limit: u32,
 }
@@ -55,10 +53,54 @@ pub struct Refusal {
 pub struct ReplayReport {
     /// Jobs brought back.
     pub replayed: Vec<ReplayedJob>,
-    /// Jobs left dead.
+    /// Jobs left dead because replaying them could repeat or contradict an
+    /// effect (an effect in doubt, a plan that cannot be discarded).
     pub refused: Vec<Refusal>,
+    /// Jobs left dead because there is nothing to replay them with (a
+    /// redacted payload and no plan): enqueue them again from the source.
+    pub skipped: Vec<Refusal>,
     /// More jobs matched than `limit` allowed.
     pub more: bool,
+}
+
+/// Spaces replays out: at most one job per `gap`, across every caller that
+/// shares the pacer (all API and dashboard requests of a process).
+///
+/// ```
+/// let pacer = idem::ops::replay::Pacer::per_second(10.0).unwrap();
+/// ```
+#[derive(Debug)]
+pub struct Pacer {
+    gap: Duration,
+    next: tokio::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+/// Slowest and fastest replay rates accepted.
+pub const RATE_BOUNDS: (f64, f64) = (1.0 / 3600.0, 10_000.0);
+
+impl Pacer {
+    /// A pacer for `per_second` jobs a second (1/h to 10,000/s).
+    pub fn per_second(per_second: f64) -> Result<Self, String> {
+        if !(RATE_BOUNDS.0..=RATE_BOUNDS.1).contains(&per_second) {
+            return Err(format!(
+                "the replay rate must be between 1/h and 10000/s, not {per_second}/s"
+            ));
+        }
+        let gap = Duration::try_from_secs_f64(1.0 / per_second).map_err(|e| e.to_string())?;
+        Ok(Pacer {
+            gap,
+            next: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    /// Waits for this caller's turn.
+    pub async fn wait(&self) {
+        let mut next = self.next.lock().await;
+        let now = tokio::time::Instant::now();
+        let turn = next.map_or(now, |at| at.max(now));
+        *next = Some(turn + self.gap);
+        tokio::time::sleep_until(turn).await;
+    }
 }
 
 /// Parses `10/s`, `600/m` or a bare number (per second).
@@ -78,10 +120,24 @@ pub fn parse_rate(text: &str) -> Result<f64, String> {
         "h" => 3600.0,
         other => return Err(format!("bad rate unit {other:?}: use /s, /m or /h")),
     };
-    if n <= 0.0 || !n.is_finite() {
-        return Err(format!("bad rate {text:?}: must be above zero"));
+    let rate = n / seconds;
+    if !(RATE_BOUNDS.0..=RATE_BOUNDS.1).contains(&rate) {
+        return Err(format!("bad rate {text:?}: between 1/h and 10000/s"));
     }
-    Ok(n / seconds)
+    Ok(rate)
+}
+
+impl ReplayRequest {
+    /// Refuses a request that selects nothing by name (replaying everything
+    /// takes `all`).
+    pub fn check(&self) -> Result<(), OpsError> {
+        if self.ids.is_empty() && self.plugin.is_none() && self.code.is_none() && !self.all {
+            return Err(OpsError::Invalid(
+                "say what to replay: job ids, --plugin P, --code C or --all".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The dead jobs a request selects, newest first.
@@ -89,12 +145,7 @@ pub async fn selected(
     store: &dyn Store,
     request: &ReplayRequest,
 ) -> Result<Vec<crate::store::Job>, OpsError> {
-    if request.ids.is_empty() && request.plugin.is_none() && request.code.is_none() && !request.all
-    {
-        return Err(OpsError::Invalid(
-            "say what to replay: job ids, a plugin, an error code, or all".into(),
-        ));
-    }
+    request.check()?;
     Ok(store
         .job_list(JobFilter {
             states: vec![JobState::Dead],
@@ -111,29 +162,24 @@ pub async fn selected(
         .await?)
 }
 
-/// Replays the selected dead jobs at most `per_second`, each refused when
-/// an effect of its plan is in doubt (until an operator resolves it), when
-/// its plan cannot be discarded as asked, or when its payload was redacted
-/// and there is no plan to carry out.
-pub async fn replay(store: &dyn Store, request: ReplayRequest) -> Result<ReplayReport, OpsError> {
-    if !(request.per_second > 0.0 && request.per_second.is_finite()) {
-        return Err(OpsError::Invalid(
-            "the replay rate must be above zero".into(),
-        ));
-    }
+/// Replays the selected dead jobs as `pacer` allows, each refused when an
+/// effect of its plan is in doubt (until an operator resolves it) or when
+/// its plan cannot be discarded as asked, and skipped when its payload was
+/// redacted and there is no plan to carry out.
+pub async fn replay(
+    store: &dyn Store,
+    request: ReplayRequest,
+    pacer: &Pacer,
+) -> Result<ReplayReport, OpsError> {
     let mut dead = selected(store, &request).await?;
     let mut report = ReplayReport::default();
     if request.limit > 0 && dead.len() > request.limit as usize {
         dead.truncate(request.limit as usize);
         report.more = true;
     }
-    let gap = Duration::from_secs_f64(1.0 / request.per_second);
-    for (i, job) in dead.iter().enumerate() {
-        if i > 0 {
-            tokio::time::sleep(gap).await;
-        }
+    for job in &dead {
         if is_redacted_payload(&job.payload) && (job.plan.is_none() || request.discard_plan) {
-            report.refused.push(Refusal {
+            report.skipped.push(Refusal {
                 id: job.id,
                 reason: "payload_redacted",
                 message: "its payload was redacted and it has no plan to carry out: enqueue it again from the source".into(),
@@ -141,6 +187,7 @@ pub async fn replay(store: &dyn Store, request: ReplayRequest) -> Result<ReplayR
             });
             continue;
         }
+        pacer.wait().await;
         if request.discard_plan && job.plan.is_some() && !store.job_discard_plan(job.id).await? {
             report.refused.push(Refusal {
                 id: job.id,
@@ -180,5 +227,29 @@ mod tests {
         assert_eq!(super::parse_rate("60/m").unwrap(), 1.0);
         assert!(super::parse_rate("0/s").is_err());
         assert!(super::parse_rate("ten").is_err());
+        assert!(
+            super::parse_rate("1e-300/s").is_err(),
+            "too slow to wait for"
+        );
+        assert!(super::parse_rate("inf").is_err());
+        assert!(super::Pacer::per_second(1e-300).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_pacer_spaces_every_caller() {
+        let pacer = std::sync::Arc::new(super::Pacer::per_second(2.0).unwrap());
+        let start = tokio::time::Instant::now();
+        let (a, b) = (pacer.clone(), pacer.clone());
+        let waits = futures::future::join_all((0..4).map(|i| {
+            let p = if i % 2 == 0 { a.clone() } else { b.clone() };
+            async move {
+                p.wait().await;
+                tokio::time::Instant::now() - start
+            }
+        }))
+        .await;
+        let mut ms: Vec<u128> = waits.iter().map(|d| d.as_millis()).collect();
+        ms.sort();
+        assert_eq!(ms, [0, 500, 1000, 1500]);
     }
 }

@@ -91,16 +91,30 @@ fn page(title: &str, body: &str) -> Response {
 }
 
 fn error_page(error: ApiError) -> Response {
-    let response = error.into_response();
-    let status = response.status();
-    page(
+    let html = page(
         "Error",
         &format!(
-            "<h1>{}</h1><p class=\"note\">The request failed ({}). <a href=\"/ui\">Back</a></p>",
-            status.as_u16(),
-            escape(status.canonical_reason().unwrap_or("error"))
+            "<h1>{} {}</h1><p class=\"note\" id=\"error\"><b>{}</b>: {}</p><p><a href=\"/ui\">Back to the overview</a></p>",
+            error.status.as_u16(),
+            escape(error.status.canonical_reason().unwrap_or("error")),
+            error.code,
+            escape(&error.message)
         ),
-    )
+    );
+    (error.status, html).into_response()
+}
+
+fn bad(message: &str) -> Response {
+    error_page(ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+        message,
+    ))
+}
+
+/// A query-string value, encoded.
+fn enc(value: &str) -> String {
+    url::form_urlencoded::byte_serialize(value.as_bytes()).collect()
 }
 
 fn pill(text: &str) -> String {
@@ -185,8 +199,9 @@ async fn logout() -> Response {
 const LIVE: &str = "<script>\
 async function refresh(){try{const r=await fetch('/api/queues',{credentials:'same-origin'});\
 if(!r.ok)return;const o=await r.json();const set=(id,v)=>{const e=document.getElementById(id);if(e)e.textContent=v;};\
-for(const q of [o.total].concat(o.queues)){for(const s in q.jobs){set('c-'+q.queue+'-'+s,q.jobs[s]);}\
-set('c-'+q.queue+'-ready',q.ready);set('c-'+q.queue+'-ok1m',q.succeeded_last_minute);set('c-'+q.queue+'-dead1m',q.dead_last_minute);}\
+const rows=[['total',o.total]].concat(o.queues.map(q=>['q-'+q.queue,q]));\
+for(const [n,q] of rows){for(const s in q.jobs){set('c-'+n+'-'+s,q.jobs[s]);}\
+set('c-'+n+'-ready',q.ready);set('c-'+n+'-ok1m',q.succeeded_last_minute);set('c-'+n+'-dead1m',q.dead_last_minute);}\
 set('refreshed',new Date().toLocaleTimeString());}catch(e){}}setInterval(refresh,2000);</script>";
 
 async fn overview(State(state): State<ApiState>) -> Response {
@@ -203,12 +218,20 @@ async fn overview(State(state): State<ApiState>) -> Response {
     body.push_str(
         "<th>ready</th><th>oldest ready</th><th>succeeded/min</th><th>dead/min</th></tr>",
     );
-    for q in std::iter::once(&overview.total).chain(overview.queues.iter()) {
-        let name = escape(&q.queue);
-        let label = if q.queue == "*" {
+    let rows =
+        std::iter::once((true, &overview.total)).chain(overview.queues.iter().map(|q| (false, q)));
+    for (is_total, q) in rows {
+        // Counter ids: `c-total-STATE` and `c-q-QUEUE-STATE`, so no queue
+        // name can stand for the totals.
+        let name = if is_total {
+            "total".to_string()
+        } else {
+            format!("q-{}", escape(&q.queue))
+        };
+        let label = if is_total {
             "all queues".to_string()
         } else {
-            name.clone()
+            escape(&q.queue)
         };
         let _ = write!(body, "<tr><td>{label}</td>");
         for s in states {
@@ -216,10 +239,10 @@ async fn overview(State(state): State<ApiState>) -> Response {
             let _ = write!(
                 body,
                 "<td class=\"n\"><a id=\"c-{name}-{s}\" href=\"/ui/jobs?state={s}{queue}\">{n}</a></td>",
-                queue = if q.queue == "*" {
+                queue = if is_total {
                     String::new()
                 } else {
-                    format!("&amp;queue={name}")
+                    format!("&amp;queue={}", escape(&enc(&q.queue)))
                 }
             );
         }
@@ -242,7 +265,8 @@ async fn overview(State(state): State<ApiState>) -> Response {
             let code = escape(&c.code);
             let _ = write!(
                 body,
-                "<tr><td><a href=\"/ui/dlq?code={code}\">{code}</a></td><td class=\"n\">{}</td></tr>",
+                "<tr><td><a href=\"/ui/dlq?code={}\">{code}</a></td><td class=\"n\">{}</td></tr>",
+                escape(&enc(&c.code)),
                 c.jobs
             );
         }
@@ -322,18 +346,15 @@ async fn jobs(
     State(state): State<ApiState>,
     query: Result<Query<JobsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
-    let query = query.map(|Query(q)| q).unwrap_or_default();
+    let query = match query {
+        Ok(Query(query)) => query,
+        Err(rejection) => return bad(&rejection.body_text()),
+    };
     let job_state = match query.state.as_deref() {
         None | Some("") => None,
         Some(s) => match JobState::ALL.into_iter().find(|st| st.as_str() == s) {
             Some(st) => Some(st),
-            None => {
-                return error_page(ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request",
-                    "unknown state",
-                ));
-            }
+            None => return bad("unknown state"),
         },
     };
     let page_value = match view::job_page(
@@ -370,7 +391,7 @@ async fn jobs(
     if let Some(next) = page_value["next_before"].as_i64() {
         let keep = |k: &str, v: &Option<String>| {
             v.as_ref()
-                .map(|v| format!("&amp;{k}={}", escape(v)))
+                .map(|v| format!("&amp;{k}={}", escape(&enc(v))))
                 .unwrap_or_default()
         };
         let _ = write!(
@@ -471,36 +492,41 @@ async fn job(State(state): State<ApiState>, Path(id): Path<String>) -> Response 
 struct DlqQuery {
     code: Option<String>,
     plugin: Option<String>,
+    before: Option<i64>,
 }
 
 async fn dlq(
     State(state): State<ApiState>,
     query: Result<Query<DlqQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
-    let query = query.map(|Query(q)| q).unwrap_or_default();
-    let overview = match view::overview(&*state.store).await {
-        Ok(o) => o,
+    let query = match query {
+        Ok(Query(query)) => query,
+        Err(rejection) => return bad(&rejection.body_text()),
+    };
+    let mut codes = match state.store.queue_stats(None).await {
+        Ok(stats) => stats.dead_by_code,
         Err(e) => return error_page(e.into()),
     };
+    codes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let only = query.code.clone().filter(|c| !c.is_empty());
+    // All codes: the newest few of each; one code: pages of 50.
+    let per_code = if only.is_some() { 50 } else { 10 };
     let mut body = String::from("<h1>Dead letters</h1>");
-    if overview.dead_by_code.is_empty() {
+    if codes.is_empty() {
         body.push_str("<p class=\"muted\">The dead-letter queue is empty.</p>");
     }
-    for group in &overview.dead_by_code {
-        if query
-            .code
-            .as_deref()
-            .is_some_and(|c| !c.is_empty() && c != group.code)
-        {
+    for (group, count) in &codes {
+        if only.as_deref().is_some_and(|c| c != group) {
             continue;
         }
         let page_value = match view::job_page(
             &*state.store,
             JobQuery {
                 state: Some(JobState::Dead),
-                code: Some(group.code.clone()),
+                code: Some(group.clone()),
                 plugin: query.plugin.clone().filter(|p| !p.is_empty()),
-                limit: 50,
+                before: query.before.filter(|_| only.is_some()),
+                limit: per_code,
                 ..JobQuery::default()
             },
         )
@@ -509,14 +535,21 @@ async fn dlq(
             Ok(p) => p,
             Err(e) => return error_page(e.into()),
         };
-        let code = escape(&group.code);
+        let code = escape(group);
         let _ = write!(
             body,
-            "<h2 id=\"code-{code}\">{code} <span class=\"muted\">({} jobs)</span></h2>",
-            group.jobs
+            "<h2 id=\"code-{code}\">{code} <span class=\"muted\">({count} jobs)</span></h2>"
         );
         let jobs = page_value["jobs"].as_array().cloned().unwrap_or_default();
         body.push_str(&job_rows(&jobs, true));
+        if let Some(next) = page_value["next_before"].as_i64() {
+            let _ = write!(
+                body,
+                "<p><a href=\"/ui/dlq?code={}&amp;before={}\">More {code} jobs</a></p>",
+                escape(&enc(group)),
+                if only.is_some() { next } else { i64::MAX }
+            );
+        }
     }
     page("Dead letters", &body)
 }
@@ -596,17 +629,16 @@ async fn replay_one(State(state): State<ApiState>, Path(id): Path<String>) -> Re
     };
     let request = ReplayRequest {
         ids: vec![JobId(id)],
-        per_second: state.replay_per_second,
         limit: MAX_REPLAY,
         ..ReplayRequest::default()
     };
-    match replay(&*state.store, request).await {
+    match replay(&*state.store, request, &state.replay).await {
         Ok(report) if report.refused.is_empty() && !report.replayed.is_empty() => {
             Redirect::to(&format!("/ui/jobs/{id}")).into_response()
         }
         Ok(report) => {
             let mut body = format!("<h1>Job {id} was not replayed</h1>");
-            for r in &report.refused {
+            for r in report.refused.iter().chain(&report.skipped) {
                 let _ = write!(
                     body,
                     "<p class=\"note\"><b>{}</b>: {}</p>",
@@ -614,7 +646,7 @@ async fn replay_one(State(state): State<ApiState>, Path(id): Path<String>) -> Re
                     escape(&r.message)
                 );
             }
-            if report.refused.is_empty() {
+            if report.refused.is_empty() && report.skipped.is_empty() {
                 body.push_str("<p class=\"note\">It is not in the dead-letter queue.</p>");
             }
             let _ = write!(body, "<p><a href=\"/ui/jobs/{id}\">Back to the job</a></p>");

@@ -72,24 +72,37 @@ pub struct CodeCount {
 /// # Ok(()) }
 /// ```
 pub async fn overview(store: &dyn Store) -> Result<Overview, OpsError> {
-    let total = store.queue_stats(None).await?;
-    let mut queues = Vec::new();
-    for name in store.queue_names().await? {
-        let stats = store.queue_stats(Some(&name)).await?;
-        queues.push(QueueView::of(&name, &stats));
+    let per_queue = store.queue_overview().await?;
+    let mut total = QueueStats {
+        by_state: JobState::ALL.iter().map(|s| (*s, 0)).collect(),
+        ..QueueStats::default()
+    };
+    let mut codes: BTreeMap<String, i64> = BTreeMap::new();
+    for (_, stats) in &per_queue {
+        for (state, n) in &stats.by_state {
+            if let Some(slot) = total.by_state.iter_mut().find(|(s, _)| s == state) {
+                slot.1 += n;
+            }
+        }
+        total.ready += stats.ready;
+        total.oldest_ready_age_ms = total.oldest_ready_age_ms.max(stats.oldest_ready_age_ms);
+        total.succeeded_last_minute += stats.succeeded_last_minute;
+        total.dead_last_minute += stats.dead_last_minute;
+        for (code, n) in &stats.dead_by_code {
+            *codes.entry(code.clone()).or_default() += n;
+        }
     }
-    let mut dead_by_code: Vec<CodeCount> = total
-        .dead_by_code
-        .iter()
-        .map(|(code, jobs)| CodeCount {
-            code: code.clone(),
-            jobs: *jobs,
-        })
+    let mut dead_by_code: Vec<CodeCount> = codes
+        .into_iter()
+        .map(|(code, jobs)| CodeCount { code, jobs })
         .collect();
     dead_by_code.sort_by(|a, b| b.jobs.cmp(&a.jobs).then(a.code.cmp(&b.code)));
     Ok(Overview {
         total: QueueView::of("*", &total),
-        queues,
+        queues: per_queue
+            .iter()
+            .map(|(name, stats)| QueueView::of(name, stats))
+            .collect(),
         dead_by_code,
     })
 }

@@ -239,8 +239,8 @@ impl Store for GroupCommit {
         self.inner.queue_stats(queue).await
     }
 
-    async fn queue_names(&self) -> Result<Vec<String>> {
-        self.inner.queue_names().await
+    async fn queue_overview(&self) -> Result<Vec<(String, QueueStats)>> {
+        self.inner.queue_overview().await
     }
 
     async fn wait_for_jobs(&self, timeout: Duration) {

@@ -145,8 +145,10 @@ pub trait Store: Send + Sync + 'static {
     /// the dead jobs by code, optionally for one queue.
     async fn queue_stats(&self, queue: Option<&str>) -> Result<QueueStats>;
 
-    /// The queues that hold jobs, by name.
-    async fn queue_names(&self) -> Result<Vec<String>>;
+    /// Every queue that holds jobs, by name, with its stats (as
+    /// [`Store::queue_stats`] gives for one queue), read with one grouped
+    /// query per figure whatever the number of queues.
+    async fn queue_overview(&self) -> Result<Vec<(String, QueueStats)>>;
 
     /// Waits until a job may be available (a notification) or `timeout`.
     async fn wait_for_jobs(&self, timeout: Duration);

@@ -85,7 +85,10 @@ pub(crate) struct Queries {
     pub stats_ready_queue: String,
     pub stats_recent: String,
     pub stats_dead_codes: String,
-    pub queue_names: String,
+    pub overview_counts: String,
+    pub overview_ready: String,
+    pub overview_recent: String,
+    pub overview_dead_codes: String,
     pub effect_insert: String,
     pub effect_take_over: String,
     pub effect_read: String,
@@ -384,13 +387,30 @@ impl Queries {
                 "SELECT count(*) AS n, {now} - min(run_at) AS age FROM jobs \
                  WHERE queue = $1 AND state IN ('available', 'retrying') AND run_at <= {now}",
             ),
+            // The state list repeats the partial index's predicate exactly,
+            // so both databases read the last minute from `jobs_finished`.
             stats_recent: x("SELECT state, count(*) AS n FROM jobs \
-                 WHERE finished_at >= {now} - 60000 AND ($1 IS NULL OR queue = $1) GROUP BY state"),
+                 WHERE state IN ('succeeded', 'dead', 'cancelled') \
+                   AND finished_at >= {now} - 60000 AND ($1 IS NULL OR queue = $1) GROUP BY state"),
             stats_dead_codes: x(
                 "SELECT COALESCE(last_error_code, '-') AS code, count(*) AS n FROM jobs \
-                 WHERE state = 'dead' AND ($1 IS NULL OR queue = $1) GROUP BY last_error_code",
+                 WHERE state = 'dead' AND ($1 IS NULL OR queue = $1) \
+                 GROUP BY COALESCE(last_error_code, '-')",
             ),
-            queue_names: x("SELECT DISTINCT queue FROM jobs ORDER BY queue"),
+            overview_counts: x(
+                "SELECT queue, state, count(*) AS n FROM jobs GROUP BY queue, state ORDER BY queue",
+            ),
+            overview_ready: x(
+                "SELECT queue, count(*) AS n, {now} - min(run_at) AS age FROM jobs \
+                 WHERE state IN ('available', 'retrying') AND run_at <= {now} GROUP BY queue",
+            ),
+            overview_recent: x("SELECT queue, state, count(*) AS n FROM jobs \
+                 WHERE state IN ('succeeded', 'dead', 'cancelled') AND finished_at >= {now} - 60000 \
+                 GROUP BY queue, state"),
+            overview_dead_codes: x(
+                "SELECT queue, COALESCE(last_error_code, '-') AS code, count(*) AS n FROM jobs \
+                 WHERE state = 'dead' GROUP BY queue, COALESCE(last_error_code, '-')",
+            ),
             effect_insert: x(&format!(
                 "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
                      lease_owner, lease_until, created_at, updated_at, first_sent_at) \

@@ -1019,12 +1019,59 @@ impl Store for SqlStore {
         })
     }
 
-    async fn queue_names(&self) -> Result<Vec<String>> {
-        with_db!(self, |read, _write| {
-            Ok(sqlx::query_scalar(&self.q.queue_names)
-                .fetch_all(read)
-                .await?)
-        })
+    async fn queue_overview(&self) -> Result<Vec<(String, QueueStats)>> {
+        type Pairs = Vec<(String, String, i64)>;
+        let (counts, ready, recent, dead): (Pairs, Vec<(String, i64, Option<i64>)>, Pairs, Pairs) =
+            with_db!(self, |read, _write| {
+                (
+                    sqlx::query_as(&self.q.overview_counts)
+                        .fetch_all(read)
+                        .await?,
+                    sqlx::query_as(&self.q.overview_ready)
+                        .fetch_all(read)
+                        .await?,
+                    sqlx::query_as(&self.q.overview_recent)
+                        .fetch_all(read)
+                        .await?,
+                    sqlx::query_as(&self.q.overview_dead_codes)
+                        .fetch_all(read)
+                        .await?,
+                )
+            });
+        let mut queues: std::collections::BTreeMap<String, QueueStats> =
+            std::collections::BTreeMap::new();
+        let blank = || QueueStats {
+            by_state: JobState::ALL.iter().map(|s| (*s, 0)).collect(),
+            ..QueueStats::default()
+        };
+        for (queue, state, n) in counts {
+            let state = rows::parse_state(&state)?;
+            let stats = queues.entry(queue).or_insert_with(blank);
+            if let Some(slot) = stats.by_state.iter_mut().find(|(s, _)| *s == state) {
+                slot.1 = n;
+            }
+        }
+        for (queue, n, age) in ready {
+            let stats = queues.entry(queue).or_insert_with(blank);
+            stats.ready = n;
+            stats.oldest_ready_age_ms = age;
+        }
+        for (queue, state, n) in recent {
+            let stats = queues.entry(queue).or_insert_with(blank);
+            match state.as_str() {
+                "succeeded" => stats.succeeded_last_minute = n,
+                "dead" => stats.dead_last_minute = n,
+                _ => {}
+            }
+        }
+        for (queue, code, n) in dead {
+            queues
+                .entry(queue)
+                .or_insert_with(blank)
+                .dead_by_code
+                .push((code, n));
+        }
+        Ok(queues.into_iter().collect())
     }
 
     async fn wait_for_jobs(&self, timeout: Duration) {

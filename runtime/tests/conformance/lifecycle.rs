@@ -753,3 +753,71 @@ pub async fn stale_attempt_of_same_worker_is_fenced(store: Arc<dyn Store>) {
         Fence::Applied
     );
 }
+
+pub async fn queue_overview_matches_queue_stats(store: Arc<dyn Store>) {
+    assert!(store.queue_overview().await.unwrap().is_empty());
+    for queue in ["mail", "billing", "billing"] {
+        store
+            .job_insert(NewJob {
+                queue: queue.into(),
+                ..job("s")
+            })
+            .await
+            .unwrap();
+    }
+    store.job_insert(job("s")).await.unwrap();
+    let mut claims = store
+        .job_claim(ClaimParams {
+            queue: "billing".into(),
+            ..claim_params("w", 2, LONG)
+        })
+        .await
+        .unwrap();
+    let done = claims.pop().unwrap();
+    let dies = claims.pop().unwrap();
+    succeed(&store, &done.fence()).await.unwrap();
+    dead_letter(
+        &store,
+        DeadParams {
+            fence: dies.fence(),
+            error: error(1, "permanent", "invalid_amount"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
+    advance(&store, Duration::from_secs(5)).await;
+    let overview = store.queue_overview().await.unwrap();
+    let names: Vec<&str> = overview.iter().map(|(q, _)| q.as_str()).collect();
+    assert_eq!(names, ["billing", "default", "mail"]);
+    for (queue, stats) in &overview {
+        let one = store.queue_stats(Some(queue)).await.unwrap();
+        assert_eq!(stats.by_state, one.by_state, "{queue}");
+        assert_eq!(stats.ready, one.ready, "{queue}");
+        // The clock runs on between the two reads.
+        match (stats.oldest_ready_age_ms, one.oldest_ready_age_ms) {
+            (Some(a), Some(b)) => assert!((a - b).abs() < 1000, "{queue}: {a} vs {b}"),
+            (a, b) => assert_eq!(a, b, "{queue}"),
+        }
+        assert_eq!(
+            stats.succeeded_last_minute, one.succeeded_last_minute,
+            "{queue}"
+        );
+        assert_eq!(stats.dead_last_minute, one.dead_last_minute, "{queue}");
+        assert_eq!(stats.dead_by_code, one.dead_by_code, "{queue}");
+    }
+    let billing = &overview[0].1;
+    assert_eq!(billing.count(JobState::Succeeded), 1);
+    assert_eq!(billing.succeeded_last_minute, 1);
+    assert_eq!(billing.dead_last_minute, 1);
+    assert_eq!(billing.dead_by_code, [("invalid_amount".to_string(), 1)]);
+    assert_eq!(overview[1].1.ready, 1);
+    // A minute later the rates are back to zero; the counts stay.
+    advance(&store, Duration::from_secs(61)).await;
+    let later = store.queue_stats(Some("billing")).await.unwrap();
+    assert_eq!(
+        (later.succeeded_last_minute, later.dead_last_minute),
+        (0, 0)
+    );
+    assert_eq!(later.count(JobState::Dead), 1);
+}

@@ -105,6 +105,7 @@ macro_rules! conformance_suite {
             lifecycle::cancel_only_waiting_jobs,
             lifecycle::prune_deletes_finished_past_retention,
             lifecycle::stats_and_drained,
+            lifecycle::queue_overview_matches_queue_stats,
             lifecycle::wait_for_jobs_wakes_on_insert,
             dlq::dead_keeps_metadata,
             dlq::dead_redacts_payload,
