@@ -77,6 +77,8 @@ pub struct Config {
     pub retention: RetentionConfig,
     /// Providers by name.
     pub providers: BTreeMap<String, ProviderConfig>,
+    /// Brokers whose messages become jobs (`[[sources]]`), run by `idem run`.
+    pub sources: Vec<crate::sources::SourceConfig>,
 }
 
 impl Default for Config {
@@ -89,6 +91,7 @@ impl Default for Config {
             sandbox: SandboxSettings::default(),
             retention: RetentionConfig::default(),
             providers: BTreeMap::new(),
+            sources: Vec::new(),
         }
     }
 }

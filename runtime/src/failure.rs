@@ -128,11 +128,17 @@ pub enum Code {
     SqlFailed,
     /// The connection dropped while another database committed a statement.
     SqlCommitUnknown,
+    /// A broker message carried no usable key under the source's key rule; kept dead on arrival.
+    MessageKeyMissing,
+    /// A broker message's key is not a valid idempotency key; kept dead on arrival.
+    MessageKeyInvalid,
+    /// A broker message's payload exceeds the job payload limit; kept dead on arrival without it.
+    MessageTooLarge,
 }
 
 impl Code {
     /// Every code.
-    pub const ALL: [Code; 43] = [
+    pub const ALL: [Code; 46] = [
         Code::PluginTimeout,
         Code::PluginOutOfMemory,
         Code::PluginStackOverflow,
@@ -176,6 +182,9 @@ impl Code {
         Code::SqlUnavailable,
         Code::SqlFailed,
         Code::SqlCommitUnknown,
+        Code::MessageKeyMissing,
+        Code::MessageKeyInvalid,
+        Code::MessageTooLarge,
     ];
 
     /// The code as stored, logged and shown.
@@ -228,6 +237,9 @@ impl Code {
             Code::SqlUnavailable => "sql_unavailable",
             Code::SqlFailed => "sql_failed",
             Code::SqlCommitUnknown => "sql_commit_unknown",
+            Code::MessageKeyMissing => "message_key_missing",
+            Code::MessageKeyInvalid => "message_key_invalid",
+            Code::MessageTooLarge => "message_too_large",
         }
     }
 
@@ -276,7 +288,10 @@ impl Code {
             | Code::SqlParamsInvalid
             | Code::SqlStatementInvalid
             | Code::SqlConstraintViolation
-            | Code::SqlResultUnreadable => ErrorClass::Permanent,
+            | Code::SqlResultUnreadable
+            | Code::MessageKeyMissing
+            | Code::MessageKeyInvalid
+            | Code::MessageTooLarge => ErrorClass::Permanent,
         }
     }
 
@@ -355,6 +370,15 @@ impl Code {
             Code::SqlFailed => "The database refused a statement for another reason (rolled back).",
             Code::SqlCommitUnknown => {
                 "The connection dropped while another database committed a statement."
+            }
+            Code::MessageKeyMissing => {
+                "A broker message carried no usable key under the source's key rule; kept dead on arrival."
+            }
+            Code::MessageKeyInvalid => {
+                "A broker message's key is not a valid idempotency key; kept dead on arrival."
+            }
+            Code::MessageTooLarge => {
+                "A broker message's payload exceeds the job payload limit; kept dead on arrival without it."
             }
         }
     }

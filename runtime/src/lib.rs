@@ -13,6 +13,7 @@
 //! - [`store`]: the store contract with SQLite and PostgreSQL implementations.
 //! - [`providers`]: where effects are carried out (http, email, sql), with retry-storm guards.
 //! - [`ops`]: the operator surface: read model, replay and its preview, HTTP API, dashboard.
+//! - [`sources`]: brokers (RabbitMQ, NATS JetStream) whose messages become jobs, exactly once.
 //! - [`config`]: `idem.toml` and environment overrides.
 //! - [`cli`]: the `idem` command line.
 //!
@@ -31,4 +32,5 @@ pub mod plugins;
 pub mod providers;
 pub mod queue;
 pub mod sandbox;
+pub mod sources;
 pub mod store;

@@ -16,6 +16,9 @@
 //! `idem_provider_circuit_state{provider}` (0 closed, 1 half open, 2 open),
 //! `idem_effect_lease_seconds{provider}` (the key lease a call runs under,
 //! next to `idem_provider_call_seconds`).
+//! Sources: `idem_source_messages_total{source,outcome}` (received, inserted,
+//! duplicate, dead_on_arrival, acked), `idem_source_lag_messages{source}`,
+//! `idem_source_reconnects_total{source}`.
 
 use std::time::Duration;
 
@@ -73,6 +76,26 @@ pub fn circuit_state(provider: &str, state: &str) {
 pub fn effect_lease(provider: &str, lease: Duration) {
     metrics::gauge!("idem_effect_lease_seconds", "provider" => provider.to_string())
         .set(lease.as_secs_f64());
+}
+
+/// Messages of a source by outcome: received, inserted, duplicate,
+/// dead_on_arrival, acked.
+pub fn source_messages(source: &str, outcome: &'static str, count: usize) {
+    if count > 0 {
+        metrics::counter!("idem_source_messages_total", "source" => source.to_string(), "outcome" => outcome)
+            .increment(count as u64);
+    }
+}
+
+/// Messages waiting at the broker for a source.
+pub fn source_lag(source: &str, messages: u64) {
+    metrics::gauge!("idem_source_lag_messages", "source" => source.to_string())
+        .set(messages as f64);
+}
+
+/// A source lost its broker and reconnects.
+pub fn source_reconnect(source: &str) {
+    metrics::counter!("idem_source_reconnects_total", "source" => source.to_string()).increment(1);
 }
 
 /// A job was deferred without using an attempt.

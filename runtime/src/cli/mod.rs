@@ -16,6 +16,7 @@
 //!   checks 0 lost and 0 duplicates (with the `provider-server` feature).
 //! - `server`: `idem provider-server` (only with the default `provider-server`
 //!   feature).
+//! - [`sources`]: `idem sources list|bench` (brokers whose messages become jobs).
 //! - [`signal`]: Ctrl-C / SIGTERM for the long-running commands.
 
 pub mod bench;
@@ -29,6 +30,7 @@ pub mod queue;
 #[cfg(feature = "provider-server")]
 pub mod server;
 pub mod signal;
+pub mod sources;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -132,6 +134,9 @@ pub enum Command {
     Jobs(ops::JobsCommand),
     /// Serve the HTTP API and the dashboard without a worker.
     Serve(ops::ServeArgs),
+    /// Brokers whose messages become jobs: list them, measure one.
+    #[command(subcommand)]
+    Sources(sources::SourcesCommand),
     /// Prove exactly-once effects here: kill and stop workers, inject
     /// provider faults, then check 0 lost and 0 duplicates.
     #[cfg(feature = "provider-server")]
@@ -250,5 +255,6 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Effects(command) => effects::run(&config, command).await,
         Command::Jobs(command) => ops::jobs(&config, command).await,
         Command::Serve(args) => ops::serve(&config, &plugins_dir, args).await,
+        Command::Sources(command) => sources::run(&config, command).await,
     }
 }

@@ -395,12 +395,24 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
         )?),
         None => None,
     };
+    let sources: Vec<crate::sources::Source> = config
+        .sources
+        .iter()
+        .map(|c| crate::sources::Source::new(c.clone(), config.worker.max_attempts))
+        .collect::<Result<_, _>>()
+        .map_err(CliError::Usage)?;
+    let sources_stop = shutdown.child_token();
+    let source_tasks = crate::sources::spawn_all(store.clone(), sources, sources_stop.clone());
     let worker = Worker::new(store.clone(), registry, providers, settings);
     let summary = worker
         .run(shutdown.clone())
         .await
         .map_err(|e| CliError::Runtime(e.into()))?;
     shutdown.cancel();
+    sources_stop.cancel();
+    for task in source_tasks {
+        let _ = task.await;
+    }
     let _ = rescan.await;
     if let Some(http) = http {
         // A client that never finishes its request must not hold the exit.

@@ -157,6 +157,10 @@ impl Store for GroupCommit {
         self.inner.job_insert_many(jobs).await
     }
 
+    async fn job_insert_dead(&self, job: NewJob, error: super::ErrorRecord) -> Result<JobId> {
+        self.inner.job_insert_dead(job, error).await
+    }
+
     async fn job_get(&self, id: JobId) -> Result<Option<Job>> {
         self.inner.job_get(id).await
     }

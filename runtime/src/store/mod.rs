@@ -78,6 +78,12 @@ pub trait Store: Send + Sync + 'static {
     /// rejects the whole batch.
     async fn job_insert_many(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>>;
 
+    /// Keeps a job that can never run (a broker message without a usable
+    /// key, say) as dead on arrival, with `error` as its failure and no
+    /// idempotency key (`job.idempotency_key` is ignored), so an operator
+    /// finds it in the dead-letter queue with its payload.
+    async fn job_insert_dead(&self, job: NewJob, error: ErrorRecord) -> Result<JobId>;
+
     /// Reads one job.
     async fn job_get(&self, id: JobId) -> Result<Option<Job>>;
 

@@ -49,6 +49,8 @@ pub(crate) const INSERT_COLS: [(&str, ColType); 8] = [
 pub(crate) struct Queries {
     pub job_insert: String,
     pub job_by_key: String,
+    pub job_insert_dead: String,
+    pub job_dead_error: String,
     pub job_insert_rows: String,
     pub jobs_by_keys: String,
     pub job_get: String,
@@ -163,6 +165,18 @@ impl Queries {
                  RETURNING id",
             ),
             job_by_key: x("SELECT id FROM jobs WHERE plugin = $1 AND idempotency_key = $2"),
+            // Dead on arrival: a message that cannot become a runnable job
+            // is kept, dead, with its error, for an operator.
+            job_insert_dead: x(
+                "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
+                     state, max_attempts, correlation_id, created_at, updated_at, finished_at) \
+                 VALUES ($1, $2, $3, NULL, 0, {now}, 'dead', $4, $5, {now}, {now}, {now}) \
+                 RETURNING id",
+            ),
+            job_dead_error: x(&format!(
+                "UPDATE jobs SET {record} WHERE id = $1",
+                record = record_error("true", &(d.json_param)("$2"), "$3", "$4"),
+            )),
             job_insert_rows: x(&format!(
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
                      state, max_attempts, correlation_id, created_at, updated_at) \

@@ -338,6 +338,35 @@ impl Store for SqlStore {
         Ok(results)
     }
 
+    async fn job_insert_dead(&self, job: NewJob, error: ErrorRecord) -> Result<JobId> {
+        let job = input::insertable(NewJob {
+            idempotency_key: None,
+            ..job
+        })?;
+        let (record, code, message) = input::error_json(&error)?;
+        let id = with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let id: i64 = sqlx::query_scalar(&self.q.job_insert_dead)
+                .bind(&job.queue)
+                .bind(&job.plugin)
+                .bind(&job.payload)
+                .bind(job.max_attempts)
+                .bind(&job.correlation_id)
+                .fetch_one(&mut *tx)
+                .await?;
+            sqlx::query(&self.q.job_dead_error)
+                .bind(id)
+                .bind(&record)
+                .bind(&code)
+                .bind(&message)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            id
+        });
+        Ok(JobId(id))
+    }
+
     async fn job_get(&self, id: JobId) -> Result<Option<Job>> {
         with_db!(self, |read, _write| {
             let row = sqlx::query(&self.q.job_get)

@@ -567,3 +567,52 @@ pub async fn discard_plan_refused_once_any_try_reached(store: Arc<dyn Store>) {
     .await;
     assert!(store.job_discard_plan(only_rejected).await.unwrap());
 }
+
+pub async fn dead_on_arrival_keeps_the_payload_and_the_code(store: Arc<dyn Store>) {
+    let id = store
+        .job_insert_dead(
+            NewJob {
+                idempotency_key: Some("ignored".into()),
+                queue: "inbox".into(),
+                ..NewJob::new("order_sync", b"{\"no\":\"key\"}".to_vec())
+            },
+            error(0, "permanent", "message_key_missing"),
+        )
+        .await
+        .unwrap();
+    let job = store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Dead);
+    assert_eq!(job.payload, b"{\"no\":\"key\"}");
+    assert_eq!(job.idempotency_key, None, "no key: it dedupes nothing");
+    assert_eq!(job.queue, "inbox");
+    assert_eq!(job.last_error_code.as_deref(), Some("message_key_missing"));
+    assert_eq!(job.errors.len(), 1);
+    assert!(job.finished_at_ms.is_some());
+    let dead = store
+        .job_list(JobFilter {
+            states: vec![JobState::Dead],
+            error_code: Some("message_key_missing".into()),
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    // Never claimed.
+    assert!(
+        store
+            .job_claim(ClaimParams {
+                queue: "inbox".into(),
+                ..claim_params("w", 10, LONG)
+            })
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .job_insert_dead(NewJob::new("", b"{}".to_vec()), error(0, "permanent", "x"))
+            .await
+            .is_err(),
+        "checked as any job"
+    );
+}

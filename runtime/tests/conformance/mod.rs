@@ -114,6 +114,7 @@ macro_rules! conformance_suite {
             dlq::discard_plan_only_when_no_effect_happened,
             dlq::replay_refuses_effects_in_doubt_until_resolved,
             dlq::discard_plan_refused_once_any_try_reached,
+            dlq::dead_on_arrival_keeps_the_payload_and_the_code,
             effects::effect_claim_then_already_succeeded,
             effects::effect_lease_blocks_until_expiry,
             effects::effect_fingerprint_conflict,

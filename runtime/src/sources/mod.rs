@@ -1,0 +1,501 @@
+//! Sources: brokers whose messages become jobs, at least once in, exactly
+//! once as jobs.
+//!
+//! Each message becomes a job keyed by its message identity (the unique
+//! plugin + key rule dedupes it at insert), inserted **before** the message
+//! is acknowledged; the ack is sent only after the insert committed. A crash
+//! between the two redelivers the message, and the insert returns the same
+//! job. A message without a usable key is kept as a dead job (its payload
+//! with it) and then acknowledged: never silently dropped.
+//!
+//! # Layout
+//! - this module: `[[sources]]` configuration, key rules, the batch insert
+//!   shared by every broker, and running the sources.
+//! - [`amqp`]: RabbitMQ (lapin): prefetch, multiple-ack after the commit.
+//! - [`nats`]: NATS JetStream (async-nats): a durable pull consumer, per-message acks.
+
+pub mod amqp;
+pub mod nats;
+
+use crate::failpoint::{self, Failpoint};
+use crate::failure::Code;
+use crate::store::{ErrorRecord, NewJob, Store, StoreError};
+use serde::Deserialize;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Which broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SourceKind {
+    /// RabbitMQ (AMQP 0.9.1).
+    Amqp,
+    /// NATS JetStream.
+    Nats,
+}
+
+/// One `[[sources]]` table of `idem.toml`.
+///
+/// ```
+/// let c: idem::sources::SourceConfig = toml::from_str(r#"
+///     kind = "amqp"
+///     url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+///     queue = "invoices"
+///     plugin = "send_invoice_email"
+///     key = "message_id"
+/// "#).unwrap();
+/// assert_eq!(c.name(), "amqp:invoices");
+/// ```
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// `amqp` or `nats`.
+    pub kind: SourceKind,
+    /// Name in metrics and logs (default `KIND:QUEUE` or `KIND:STREAM`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Broker URL.
+    pub url: String,
+    /// AMQP: the queue to consume (it must exist).
+    #[serde(default)]
+    pub queue: Option<String>,
+    /// NATS: the stream (it must exist).
+    #[serde(default)]
+    pub stream: Option<String>,
+    /// NATS: the durable pull consumer (created when missing; default `idem`).
+    #[serde(default)]
+    pub consumer: Option<String>,
+    /// NATS: only subjects matching this filter (when the consumer is created).
+    #[serde(default)]
+    pub subject: Option<String>,
+    /// NATS: how long a fetched, unacknowledged message waits before the
+    /// server redelivers it (when the consumer is created; default 30 s).
+    #[serde(default = "default_ack_wait", with = "humantime_serde")]
+    pub ack_wait: Duration,
+    /// Plugin of the jobs.
+    pub plugin: String,
+    /// Where a message's key is read: `message_id` (AMQP message-id, NATS
+    /// `Nats-Msg-Id`), `header:NAME`, or `json:/pointer` into the body.
+    pub key: String,
+    /// The idem queue of the jobs (default `default`).
+    #[serde(default)]
+    pub job_queue: Option<String>,
+    /// Attempts of each job (default: the worker's `max_attempts`).
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+    /// Messages held unacknowledged at most (flow control: a slow store
+    /// never pulls the broker's backlog into memory).
+    #[serde(default = "default_prefetch")]
+    pub prefetch: u16,
+    /// Most messages per insert transaction.
+    #[serde(default = "default_batch")]
+    pub batch: usize,
+    /// How long a batch waits for more messages after its first.
+    #[serde(default = "default_batch_wait", with = "humantime_serde")]
+    pub batch_wait: Duration,
+}
+
+fn default_ack_wait() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_prefetch() -> u16 {
+    1000
+}
+
+fn default_batch() -> usize {
+    500
+}
+
+fn default_batch_wait() -> Duration {
+    Duration::from_millis(20)
+}
+
+impl SourceConfig {
+    /// The source's name.
+    pub fn name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| match self.kind {
+            SourceKind::Amqp => format!("amqp:{}", self.queue.as_deref().unwrap_or("")),
+            SourceKind::Nats => format!("nats:{}", self.stream.as_deref().unwrap_or("")),
+        })
+    }
+
+    /// Checks the table before anything connects.
+    pub fn check(&self) -> Result<KeyRule, String> {
+        let name = self.name();
+        let missing = |what: &str| format!("source {name:?}: {what} is required");
+        match self.kind {
+            SourceKind::Amqp if self.queue.as_deref().is_none_or(str::is_empty) => {
+                return Err(missing("`queue`"));
+            }
+            SourceKind::Nats if self.stream.as_deref().is_none_or(str::is_empty) => {
+                return Err(missing("`stream`"));
+            }
+            _ => {}
+        }
+        if self.plugin.is_empty() {
+            return Err(missing("`plugin`"));
+        }
+        if self.batch == 0 || self.prefetch == 0 || self.batch > usize::from(self.prefetch) {
+            return Err(format!(
+                "source {name:?}: batch ({}) must be between 1 and prefetch ({})",
+                self.batch, self.prefetch
+            ));
+        }
+        KeyRule::parse(&self.key).map_err(|e| format!("source {name:?}: key: {e}"))
+    }
+}
+
+/// Where a message's key is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyRule {
+    /// The broker's message id (AMQP `message-id`, NATS `Nats-Msg-Id`).
+    MessageId,
+    /// A header.
+    Header(String),
+    /// A JSON pointer into the body (a string or a number).
+    Json(String),
+}
+
+impl KeyRule {
+    /// Parses `message_id`, `header:NAME` or `json:/pointer`.
+    ///
+    /// ```
+    /// use idem::sources::KeyRule;
+    /// assert_eq!(KeyRule::parse("json:/order/id").unwrap(), KeyRule::Json("/order/id".into()));
+    /// assert!(KeyRule::parse("body").is_err());
+    /// ```
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text == "message_id" {
+            return Ok(KeyRule::MessageId);
+        }
+        if let Some(name) = text.strip_prefix("header:")
+            && !name.is_empty()
+        {
+            return Ok(KeyRule::Header(name.to_string()));
+        }
+        if let Some(pointer) = text.strip_prefix("json:")
+            && (pointer.is_empty() || pointer.starts_with('/'))
+        {
+            return Ok(KeyRule::Json(pointer.to_string()));
+        }
+        Err(format!(
+            "{text:?}: use message_id, header:NAME or json:/pointer"
+        ))
+    }
+
+    /// The key of a message, or the code and reason it has none usable.
+    pub fn key_of(&self, message: &Incoming) -> Result<String, (Code, String)> {
+        let found = match self {
+            KeyRule::MessageId => message.message_id.clone(),
+            KeyRule::Header(name) => message
+                .headers
+                .iter()
+                .find(|(h, _)| h.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.clone()),
+            KeyRule::Json(pointer) => serde_json::from_slice::<serde_json::Value>(&message.payload)
+                .ok()
+                .and_then(|body| match body.pointer(pointer) {
+                    Some(serde_json::Value::String(s)) => Some(s.clone()),
+                    Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+                    _ => None,
+                }),
+        };
+        let Some(key) = found.filter(|k| !k.is_empty()) else {
+            return Err((
+                Code::MessageKeyMissing,
+                format!("the message has no key under the rule {self}"),
+            ));
+        };
+        idem_sdk::key::validate(&key).map_err(|why| {
+            (
+                Code::MessageKeyInvalid,
+                format!(
+                    "the key {:?} is not usable: {why}",
+                    crate::failure::truncate(key.clone(), 80)
+                ),
+            )
+        })?;
+        Ok(key)
+    }
+}
+
+impl std::fmt::Display for KeyRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyRule::MessageId => f.write_str("message_id"),
+            KeyRule::Header(name) => write!(f, "header:{name}"),
+            KeyRule::Json(pointer) => write!(f, "json:{pointer}"),
+        }
+    }
+}
+
+/// A message as a source received it.
+#[derive(Debug, Clone, Default)]
+pub struct Incoming {
+    /// The body.
+    pub payload: Vec<u8>,
+    /// The broker's message id, if any.
+    pub message_id: Option<String>,
+    /// Headers, as text.
+    pub headers: Vec<(String, String)>,
+}
+
+/// What one batch came to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ingested {
+    /// New jobs.
+    pub inserted: usize,
+    /// Messages whose key already had a job (redeliveries, duplicate publishes).
+    pub duplicates: usize,
+    /// Messages kept as dead jobs (no usable key, too large).
+    pub dead_on_arrival: usize,
+}
+
+/// A running source's fixed settings.
+#[derive(Debug, Clone)]
+pub struct Source {
+    /// The configuration.
+    pub config: SourceConfig,
+    /// Its key rule.
+    pub rule: KeyRule,
+    /// Its name.
+    pub name: String,
+    /// Attempts of its jobs.
+    pub max_attempts: u32,
+}
+
+impl Source {
+    /// A source from its table (checked).
+    pub fn new(config: SourceConfig, default_attempts: u32) -> Result<Self, String> {
+        let rule = config.check()?;
+        Ok(Source {
+            name: config.name(),
+            max_attempts: config.max_attempts.unwrap_or(default_attempts),
+            rule,
+            config,
+        })
+    }
+
+    fn job(&self, payload: Vec<u8>, key: Option<String>) -> NewJob {
+        NewJob {
+            queue: self
+                .config
+                .job_queue
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+            plugin: self.config.plugin.clone(),
+            correlation_id: key.clone(),
+            idempotency_key: key,
+            payload,
+            priority: 0,
+            delay: Duration::ZERO,
+            max_attempts: self.max_attempts.max(1),
+        }
+    }
+}
+
+/// Inserts a batch of messages as jobs in one transaction (dead-on-arrival
+/// ones each in their own), and answers once every write committed: only
+/// then may the messages be acknowledged.
+pub async fn ingest(
+    store: &dyn Store,
+    source: &Source,
+    batch: &[Incoming],
+) -> Result<Ingested, StoreError> {
+    let mut jobs = Vec::with_capacity(batch.len());
+    let mut dead = Vec::new();
+    for message in batch {
+        match source.rule.key_of(message) {
+            Ok(key) => {
+                let job = source.job(message.payload.clone(), Some(key));
+                if message.payload.len() > crate::store::MAX_PAYLOAD_BYTES {
+                    dead.push((
+                        oversized(&source.job(Vec::new(), None), &message.payload),
+                        Code::MessageTooLarge,
+                        format!(
+                            "the message is {} bytes, over the payload limit; its payload is not kept",
+                            message.payload.len()
+                        ),
+                    ));
+                } else {
+                    jobs.push(job);
+                }
+            }
+            Err((code, why)) => {
+                let job = if message.payload.len() > crate::store::MAX_PAYLOAD_BYTES {
+                    oversized(&source.job(Vec::new(), None), &message.payload)
+                } else {
+                    source.job(message.payload.clone(), None)
+                };
+                dead.push((job, code, why));
+            }
+        }
+    }
+    let mut report = Ingested::default();
+    if !jobs.is_empty() {
+        for enqueued in store.job_insert_many(jobs).await? {
+            if enqueued.inserted {
+                report.inserted += 1;
+            } else {
+                report.duplicates += 1;
+            }
+        }
+    }
+    for (job, code, why) in dead {
+        tracing::warn!(source = %source.name, code = code.as_str(), "message kept as a dead job: {why}");
+        store
+            .job_insert_dead(
+                job,
+                ErrorRecord {
+                    attempt: 0,
+                    class: code.class(),
+                    code: code.as_str().into(),
+                    message: why,
+                    at_ms: 0,
+                },
+            )
+            .await?;
+        report.dead_on_arrival += 1;
+    }
+    crate::metrics::source_messages(&source.name, "inserted", report.inserted);
+    crate::metrics::source_messages(&source.name, "duplicate", report.duplicates);
+    crate::metrics::source_messages(&source.name, "dead_on_arrival", report.dead_on_arrival);
+    failpoint::hit(Failpoint::AfterInsertBeforeAck).await?;
+    Ok(report)
+}
+
+/// A too-large payload is replaced by its size and digest.
+fn oversized(job: &NewJob, payload: &[u8]) -> NewJob {
+    use sha2::Digest;
+    NewJob {
+        payload: serde_json::json!({
+            "dropped_bytes": payload.len(),
+            "sha256": hex::encode(sha2::Sha256::digest(payload)),
+        })
+        .to_string()
+        .into_bytes(),
+        ..job.clone()
+    }
+}
+
+/// Reconnect delays: 100 ms doubling to 30 s, reset once a session ran.
+#[derive(Debug, Clone)]
+pub struct Backoff(Duration);
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff(Duration::from_millis(100))
+    }
+}
+
+impl Backoff {
+    /// The next delay (with up to 20% jitter).
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.0;
+        self.0 = (self.0 * 2).min(Duration::from_secs(30));
+        delay + delay.mul_f64(rand::random_range(0.0..0.2))
+    }
+
+    /// Back to the shortest delay.
+    pub fn reset(&mut self) {
+        *self = Backoff::default();
+    }
+}
+
+/// Starts every configured source; each reconnects on its own until `stop`.
+pub fn spawn_all(
+    store: Arc<dyn Store>,
+    sources: Vec<Source>,
+    stop: CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    sources
+        .into_iter()
+        .map(|source| {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                match source.config.kind {
+                    SourceKind::Amqp => amqp::run(store, source, stop).await,
+                    SourceKind::Nats => nats::run(store, source, stop).await,
+                }
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(payload: &str, id: Option<&str>, headers: &[(&str, &str)]) -> Incoming {
+        Incoming {
+            payload: payload.as_bytes().to_vec(),
+            message_id: id.map(String::from),
+            headers: headers
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn keys_come_from_the_rule() {
+        let m = message(r#"{"order": {"id": 7}}"#, Some("m-1"), &[("X-Key", "h-1")]);
+        assert_eq!(KeyRule::MessageId.key_of(&m).unwrap(), "m-1");
+        assert_eq!(
+            KeyRule::parse("header:x-key").unwrap().key_of(&m).unwrap(),
+            "h-1"
+        );
+        assert_eq!(
+            KeyRule::parse("json:/order/id")
+                .unwrap()
+                .key_of(&m)
+                .unwrap(),
+            "7"
+        );
+        let none = message("not json", None, &[]);
+        assert_eq!(
+            KeyRule::MessageId.key_of(&none).unwrap_err().0,
+            Code::MessageKeyMissing
+        );
+        assert_eq!(
+            KeyRule::parse("json:/id")
+                .unwrap()
+                .key_of(&none)
+                .unwrap_err()
+                .0,
+            Code::MessageKeyMissing
+        );
+        let bad = message("{}", Some("line\nbreak"), &[]);
+        assert_eq!(
+            KeyRule::MessageId.key_of(&bad).unwrap_err().0,
+            Code::MessageKeyInvalid
+        );
+        assert!(KeyRule::parse("header:").is_err());
+        assert!(KeyRule::parse("json:id").is_err());
+    }
+
+    #[test]
+    fn tables_that_cannot_work_are_refused() {
+        let parse = |extra: &str| -> SourceConfig {
+            toml::from_str(&format!(
+                "kind = \"amqp\"\nurl = \"amqp://x\"\nplugin = \"p\"\nkey = \"message_id\"\n{extra}"
+            ))
+            .unwrap()
+        };
+        assert!(parse("").check().unwrap_err().contains("queue"));
+        assert!(
+            parse("queue = \"q\"\nbatch = 5000\nprefetch = 10")
+                .check()
+                .is_err()
+        );
+        assert!(parse("queue = \"q\"").check().is_ok());
+        assert!(
+            toml::from_str::<SourceConfig>(
+                "kind = \"kafka\"\nurl = \"x\"\nplugin = \"p\"\nkey = \"k\""
+            )
+            .is_err()
+        );
+    }
+}

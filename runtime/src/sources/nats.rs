@@ -1,0 +1,155 @@
+//! NATS JetStream through async-nats: a durable pull consumer with explicit
+//! acks (created when missing); each fetched batch is inserted in one
+//! transaction, then every message of it is acknowledged. `max_ack_pending`
+//! is the source's prefetch, so a slow store holds the stream back instead
+//! of buffering it.
+
+use super::{Backoff, Incoming, Source, ingest};
+use crate::store::Store;
+use async_nats::jetstream::{self, consumer::AckPolicy, consumer::pull};
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Why a session ended.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("broker: {0}")]
+    Broker(String),
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
+}
+
+fn broker(error: impl std::fmt::Display) -> SessionError {
+    SessionError::Broker(error.to_string())
+}
+
+/// The header NATS deduplicates publishes by: a source's `message_id`.
+pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// Runs the source until `stop`, reconnecting with backoff.
+pub async fn run(store: Arc<dyn Store>, source: Source, stop: CancellationToken) {
+    let mut backoff = Backoff::default();
+    loop {
+        match session(&*store, &source, &stop, &mut backoff).await {
+            Ok(()) => return,
+            Err(error) => {
+                crate::metrics::source_reconnect(&source.name);
+                let wait = backoff.next_delay();
+                tracing::warn!(source = %source.name, %error, ?wait, "source session ended; reconnecting");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+    }
+}
+
+fn incoming(message: &jetstream::Message) -> Incoming {
+    let headers: Vec<(String, String)> = message
+        .headers
+        .as_ref()
+        .map(|h| {
+            h.iter()
+                .flat_map(|(name, values)| {
+                    values
+                        .iter()
+                        .map(move |v| (name.to_string(), v.as_str().to_string()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let message_id = headers
+        .iter()
+        .find(|(name, _)| name.eq_ignore_ascii_case(MSG_ID_HEADER))
+        .map(|(_, v)| v.clone());
+    Incoming {
+        payload: message.payload.to_vec(),
+        message_id,
+        headers,
+    }
+}
+
+async fn session(
+    store: &dyn Store,
+    source: &Source,
+    stop: &CancellationToken,
+    backoff: &mut Backoff,
+) -> Result<(), SessionError> {
+    let client = async_nats::connect(&source.config.url)
+        .await
+        .map_err(broker)?;
+    let context = jetstream::new(client.clone());
+    let stream_name = source.config.stream.clone().unwrap_or_default();
+    let stream = context.get_stream(&stream_name).await.map_err(broker)?;
+    let durable = source
+        .config
+        .consumer
+        .clone()
+        .unwrap_or_else(|| "idem".into());
+    let consumer = stream
+        .get_or_create_consumer(
+            &durable,
+            pull::Config {
+                durable_name: Some(durable.clone()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: source.config.ack_wait,
+                filter_subject: source.config.subject.clone().unwrap_or_default(),
+                max_ack_pending: i64::from(source.config.prefetch),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(broker)?;
+    tracing::info!(source = %source.name, stream = %stream_name, consumer = %durable, "source connected");
+    let mut connected = true;
+    // An empty fetch waits this long for the first message.
+    let expires = source.config.batch_wait.max(Duration::from_millis(500));
+    loop {
+        if stop.is_cancelled() {
+            return Ok(());
+        }
+        let fetch = consumer
+            .batch()
+            .max_messages(source.config.batch)
+            .expires(expires)
+            .messages();
+        let mut batch = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            batch = fetch => batch.map_err(broker)?,
+        };
+        let mut messages = Vec::new();
+        loop {
+            let next = tokio::select! {
+                // Fetched but unacknowledged messages are redelivered after ack_wait.
+                _ = stop.cancelled() => return Ok(()),
+                next = batch.next() => next,
+            };
+            match next {
+                Some(message) => messages.push(message.map_err(broker)?),
+                None => break,
+            }
+        }
+        if messages.is_empty() {
+            continue;
+        }
+        if connected {
+            backoff.reset();
+            connected = false;
+        }
+        crate::metrics::source_messages(&source.name, "received", messages.len());
+        let incoming: Vec<Incoming> = messages.iter().map(incoming).collect();
+        ingest(store, source, &incoming).await?;
+        for message in &messages {
+            message.ack().await.map_err(broker)?;
+        }
+        // Acks are publishes: out before the next fetch (or the exit).
+        client.flush().await.map_err(broker)?;
+        crate::metrics::source_messages(&source.name, "acked", messages.len());
+        if let Some(info) = messages.last().and_then(|m| m.info().ok()) {
+            crate::metrics::source_lag(&source.name, info.pending);
+        }
+    }
+}
