@@ -495,7 +495,7 @@ async fn crash_between_insert_and_ack(kind: &str) {
     let config = h.config_file(Duration::from_secs(5));
     let mut text = std::fs::read_to_string(config.path()).unwrap();
     text.push_str(&format!(
-        "\n[[sources]]\nkind = \"{kind}\"\nurl = \"{}\"\n{}plugin = \"order_sync\"\nkey = \"{}\"\nbatch = 64\nprefetch = 256\n{}",
+        "\n[[sources]]\nkind = \"{kind}\"\nurl = \"{}\"\n{}plugin = \"order_sync\"\nkey = \"{}\"\nbatch = 64\nprefetch = 256\nbatch_wait = \"1s\"\n{}",
         source.url,
         match kind {
             "amqp" => format!("queue = \"{name}\"\n"),

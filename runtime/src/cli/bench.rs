@@ -228,15 +228,15 @@ fn peak_rss_mib() -> f64 {
 
 /// A clean store for one run: a fresh SQLite file, or a fresh schema on the
 /// given PostgreSQL database (dropped afterwards).
-struct Scratch {
-    store: Arc<SqlStore>,
+pub(super) struct Scratch {
+    pub(super) store: Arc<SqlStore>,
     url: String,
     schema: Option<(String, String)>,
     _dir: Option<tempfile::TempDir>,
 }
 
 impl Scratch {
-    async fn open(database_url: Option<&str>) -> Result<Self, CliError> {
+    pub(super) async fn open(database_url: Option<&str>) -> Result<Self, CliError> {
         let runtime = |e: crate::store::StoreError| CliError::Runtime(e.into());
         match database_url {
             Some(url) if url.starts_with("postgres") => {
@@ -287,7 +287,7 @@ impl Scratch {
         version.unwrap_or_else(|e| format!("unknown ({e})"))
     }
 
-    async fn drop_schema(self) {
+    pub(super) async fn drop_schema(self) {
         let Some((url, schema)) = &self.schema else {
             return;
         };

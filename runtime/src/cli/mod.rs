@@ -255,6 +255,6 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Effects(command) => effects::run(&config, command).await,
         Command::Jobs(command) => ops::jobs(&config, command).await,
         Command::Serve(args) => ops::serve(&config, &plugins_dir, args).await,
-        Command::Sources(command) => sources::run(&config, command).await,
+        Command::Sources(command) => sources::run(&config, explicit_url.as_deref(), command).await,
     }
 }

@@ -411,7 +411,9 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
     shutdown.cancel();
     sources_stop.cancel();
     for task in source_tasks {
-        let _ = task.await;
+        // Unacknowledged messages are redelivered: a source stuck on its
+        // broker does not hold the exit.
+        let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
     }
     let _ = rescan.await;
     if let Some(http) = http {

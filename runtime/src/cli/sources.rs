@@ -68,7 +68,11 @@ pub struct SourcesBenchArgs {
 }
 
 /// Runs a sources command.
-pub async fn run(config: &Config, command: SourcesCommand) -> Result<(), CliError> {
+pub async fn run(
+    config: &Config,
+    database_url: Option<&str>,
+    command: SourcesCommand,
+) -> Result<(), CliError> {
     match command {
         SourcesCommand::List => {
             if config.sources.is_empty() {
@@ -90,7 +94,7 @@ pub async fn run(config: &Config, command: SourcesCommand) -> Result<(), CliErro
             }
             Ok(())
         }
-        SourcesCommand::Bench(args) => bench(config, args).await,
+        SourcesCommand::Bench(args) => bench(database_url, args).await,
         SourcesCommand::Publish(args) => publish(args).await,
     }
 }
@@ -153,7 +157,9 @@ fn broker_error(e: impl std::fmt::Display) -> CliError {
     CliError::Runtime(anyhow::anyhow!("broker: {e}"))
 }
 
-async fn bench(config: &Config, args: SourcesBenchArgs) -> Result<(), CliError> {
+/// Measures on a clean store: a fresh SQLite file, or a fresh schema of the
+/// `--database-url` PostgreSQL (dropped afterwards).
+async fn bench(database_url: Option<&str>, args: SourcesBenchArgs) -> Result<(), CliError> {
     let name = format!("idem_bench_{}", hex::encode(rand::random::<[u8; 4]>()));
     let kind = match args.kind.as_str() {
         "amqp" => SourceKind::Amqp,
@@ -164,15 +170,8 @@ async fn bench(config: &Config, args: SourcesBenchArgs) -> Result<(), CliError> 
         SourceKind::Amqp => "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
         SourceKind::Nats => "nats://127.0.0.1:4222".into(),
     });
-    let dir = tempfile::tempdir().map_err(|e| CliError::Runtime(e.into()))?;
-    let db = if config.database_url.starts_with("postgres") {
-        config.database_url.clone()
-    } else {
-        format!("sqlite://{}", dir.path().join("bench.db").display())
-    };
-    let store: Arc<dyn Store> = crate::store::connect(&db)
-        .await
-        .map_err(|e| CliError::Runtime(e.into()))?;
+    let scratch = super::bench::Scratch::open(database_url).await?;
+    let store: Arc<dyn Store> = scratch.store.clone();
     eprintln!("publishing {} messages to {name}", args.messages);
     let published = Instant::now();
     let subject = format!("{name}.orders");
@@ -236,6 +235,9 @@ async fn bench(config: &Config, args: SourcesBenchArgs) -> Result<(), CliError> 
             }
         }
     }
+    let backend = store.backend();
+    drop(store);
+    scratch.drop_schema().await;
     match outcome {
         Err(_) => {
             return Err(CliError::Failed(
@@ -251,7 +253,7 @@ async fn bench(config: &Config, args: SourcesBenchArgs) -> Result<(), CliError> 
         "messages": args.messages,
         "batch": args.batch,
         "prefetch": args.prefetch,
-        "backend": store.backend().as_str(),
+        "backend": backend.as_str(),
         "publish_seconds": publish_took.as_secs_f64(),
         "ingest_seconds": took.as_secs_f64(),
         "ingest_messages_per_second": rate.round(),
@@ -262,7 +264,7 @@ async fn bench(config: &Config, args: SourcesBenchArgs) -> Result<(), CliError> 
         println!(
             "{} → jobs ({}): {} messages in {:.2} s = {:.0} msg/s (batch {}, prefetch {}; publishing took {:.2} s)",
             args.kind,
-            store.backend(),
+            backend,
             args.messages,
             took.as_secs_f64(),
             rate,

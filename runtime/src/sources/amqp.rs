@@ -4,7 +4,7 @@
 //! A store error closes the connection without acknowledging, so the broker
 //! redelivers the batch to the next session.
 
-use super::{Backoff, Incoming, Source, ingest};
+use super::{Backoff, Incoming, Source};
 use crate::store::Store;
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
@@ -19,10 +19,12 @@ use tokio_util::sync::CancellationToken;
 enum SessionError {
     #[error("broker: {0}")]
     Broker(#[from] lapin::Error),
-    #[error("store: {0}")]
-    Store(#[from] crate::store::StoreError),
     #[error("the broker closed the consumer")]
     ConsumerEnded,
+    #[error("no connection within 30 s")]
+    ConnectTimeout,
+    #[error("an acknowledgement was refused: the channel closed")]
+    AckRefused,
 }
 
 /// Runs the source until `stop`, reconnecting with backoff.
@@ -93,8 +95,14 @@ async fn session(
     backoff: &mut Backoff,
 ) -> Result<(), SessionError> {
     let queue = source.config.queue.clone().unwrap_or_default();
-    let connection =
-        Connection::connect(&source.config.url, ConnectionProperties::default()).await?;
+    let connect = Connection::connect(&source.config.url, ConnectionProperties::default());
+    let connection = tokio::select! {
+        _ = stop.cancelled() => return Ok(()),
+        connection = tokio::time::timeout(Duration::from_secs(30), connect) => match connection {
+            Ok(connection) => connection?,
+            Err(_) => return Err(SessionError::ConnectTimeout),
+        },
+    };
     let channel = connection.create_channel().await?;
     channel
         .basic_qos(source.config.prefetch, BasicQosOptions::default())
@@ -110,7 +118,6 @@ async fn session(
     tracing::info!(source = %source.name, queue = %queue, "source connected");
     let lag_channel = connection.create_channel().await?;
     let mut lag_tick = tokio::time::interval(Duration::from_secs(5));
-    let mut connected = true;
     loop {
         let first = tokio::select! {
             _ = stop.cancelled() => {
@@ -132,10 +139,6 @@ async fn session(
                 None => return Err(SessionError::ConsumerEnded),
             },
         };
-        if connected {
-            backoff.reset();
-            connected = false;
-        }
         let mut deliveries = vec![first];
         let deadline = tokio::time::Instant::now() + source.config.batch_wait;
         while deliveries.len() < source.config.batch {
@@ -147,11 +150,17 @@ async fn session(
         }
         crate::metrics::source_messages(&source.name, "received", deliveries.len());
         let batch: Vec<Incoming> = deliveries.iter().map(incoming).collect();
-        ingest(store, source, &batch).await?;
+        let Some(_) = super::ingest_until_stored(store, source, &batch, stop).await else {
+            let _ = connection.close(200, "idem stops".into()).await;
+            return Ok(());
+        };
         // Every delivery of the batch is in the store: one ack covers them.
-        if let Some(last) = deliveries.last() {
-            last.acker.ack(BasicAckOptions { multiple: true }).await?;
+        if let Some(last) = deliveries.last()
+            && !last.acker.ack(BasicAckOptions { multiple: true }).await?
+        {
+            return Err(SessionError::AckRefused);
         }
         crate::metrics::source_messages(&source.name, "acked", deliveries.len());
+        backoff.reset();
     }
 }

@@ -78,6 +78,10 @@ pub struct SourceConfig {
     /// Where a message's key is read: `message_id` (AMQP message-id, NATS
     /// `Nats-Msg-Id`), `header:NAME`, or `json:/pointer` into the body.
     pub key: String,
+    /// Put before every key (e.g. `billing:`): two sources feeding one
+    /// plugin whose message ids may coincide keep apart.
+    #[serde(default)]
+    pub key_prefix: Option<String>,
     /// The idem queue of the jobs (default `default`).
     #[serde(default)]
     pub job_queue: Option<String>,
@@ -137,6 +141,12 @@ impl SourceConfig {
         if self.plugin.is_empty() {
             return Err(missing("`plugin`"));
         }
+        let job_queue = self.job_queue.as_deref().unwrap_or("default");
+        if job_queue.is_empty() || job_queue.len() > 128 || self.plugin.len() > 128 {
+            return Err(format!(
+                "source {name:?}: `plugin` and `job_queue` are 1 to 128 bytes"
+            ));
+        }
         if self.batch == 0 || self.prefetch == 0 || self.batch > usize::from(self.prefetch) {
             return Err(format!(
                 "source {name:?}: batch ({}) must be between 1 and prefetch ({})",
@@ -189,16 +199,27 @@ impl KeyRule {
     pub fn key_of(&self, message: &Incoming) -> Result<String, (Code, String)> {
         let found = match self {
             KeyRule::MessageId => message.message_id.clone(),
+            // The exact spelling first, so a message carrying two spellings
+            // gets the same key in every process.
             KeyRule::Header(name) => message
                 .headers
                 .iter()
-                .find(|(h, _)| h.eq_ignore_ascii_case(name))
+                .find(|(h, _)| h == name)
+                .or_else(|| {
+                    message
+                        .headers
+                        .iter()
+                        .find(|(h, _)| h.eq_ignore_ascii_case(name))
+                })
                 .map(|(_, v)| v.clone()),
             KeyRule::Json(pointer) => serde_json::from_slice::<serde_json::Value>(&message.payload)
                 .ok()
                 .and_then(|body| match body.pointer(pointer) {
                     Some(serde_json::Value::String(s)) => Some(s.clone()),
-                    Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+                    // Integers only: a float renders ambiguously (7 and 7.0).
+                    Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                        Some(n.to_string())
+                    }
                     _ => None,
                 }),
         };
@@ -208,6 +229,15 @@ impl KeyRule {
                 format!("the message has no key under the rule {self}"),
             ));
         };
+        if key.contains('/') {
+            return Err((
+                Code::MessageKeyInvalid,
+                format!(
+                    "the key {:?} contains '/', which the host keeps for the keys of child jobs",
+                    crate::failure::truncate(key, 80)
+                ),
+            ));
+        }
         idem_sdk::key::validate(&key).map_err(|why| {
             (
                 Code::MessageKeyInvalid,
@@ -307,12 +337,26 @@ pub async fn ingest(
     let mut jobs = Vec::with_capacity(batch.len());
     let mut dead = Vec::new();
     for message in batch {
-        match source.rule.key_of(message) {
+        let key = source
+            .rule
+            .key_of(message)
+            .map(|key| match &source.config.key_prefix {
+                Some(prefix) => format!("{prefix}{key}"),
+                None => key,
+            });
+        match key {
             Ok(key) => {
-                let job = source.job(message.payload.clone(), Some(key));
+                let job = source.job(message.payload.clone(), Some(key.clone()));
                 if message.payload.len() > crate::store::MAX_PAYLOAD_BYTES {
                     dead.push((
-                        oversized(&source.job(Vec::new(), None), &message.payload),
+                        oversized(
+                            &NewJob {
+                                correlation_id: Some(key.clone()),
+                                idempotency_key: Some(dead_key(source, message)),
+                                ..source.job(Vec::new(), None)
+                            },
+                            &message.payload,
+                        ),
                         Code::MessageTooLarge,
                         format!(
                             "the message is {} bytes, over the payload limit; its payload is not kept",
@@ -324,10 +368,17 @@ pub async fn ingest(
                 }
             }
             Err((code, why)) => {
+                let kept = NewJob {
+                    idempotency_key: Some(dead_key(source, message)),
+                    ..source.job(Vec::new(), None)
+                };
                 let job = if message.payload.len() > crate::store::MAX_PAYLOAD_BYTES {
-                    oversized(&source.job(Vec::new(), None), &message.payload)
+                    oversized(&kept, &message.payload)
                 } else {
-                    source.job(message.payload.clone(), None)
+                    NewJob {
+                        payload: message.payload.clone(),
+                        ..kept
+                    }
                 };
                 dead.push((job, code, why));
             }
@@ -366,6 +417,19 @@ pub async fn ingest(
     Ok(report)
 }
 
+/// The identity of a message kept dead on arrival: a redelivery of it
+/// (after a crash before the ack) finds the same dead job.
+fn dead_key(source: &Source, message: &Incoming) -> String {
+    use sha2::Digest;
+    let mut hash = sha2::Sha256::new();
+    hash.update(source.name.as_bytes());
+    hash.update([0]);
+    hash.update(message.message_id.as_deref().unwrap_or("").as_bytes());
+    hash.update([0]);
+    hash.update(&message.payload);
+    format!("dead-on-arrival:{}", hex::encode(&hash.finalize()[..16]))
+}
+
 /// A too-large payload is replaced by its size and digest.
 fn oversized(job: &NewJob, payload: &[u8]) -> NewJob {
     use sha2::Digest;
@@ -401,6 +465,32 @@ impl Backoff {
     /// Back to the shortest delay.
     pub fn reset(&mut self) {
         *self = Backoff::default();
+    }
+}
+
+/// Inserts a batch, retrying a store failure in place (with backoff) while
+/// the messages stay unacknowledged at the broker: a database outage holds
+/// the source back instead of cycling its broker session. `None` when
+/// stopped first (the messages are then redelivered to the next session).
+pub async fn ingest_until_stored(
+    store: &dyn Store,
+    source: &Source,
+    batch: &[Incoming],
+    stop: &CancellationToken,
+) -> Option<Ingested> {
+    let mut backoff = Backoff::default();
+    loop {
+        match ingest(store, source, batch).await {
+            Ok(report) => return Some(report),
+            Err(error) => {
+                let wait = backoff.next_delay();
+                tracing::warn!(source = %source.name, %error, ?wait, "cannot store the batch; its messages wait unacknowledged");
+                tokio::select! {
+                    _ = stop.cancelled() => return None,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
     }
 }
 
@@ -471,6 +561,29 @@ mod tests {
         assert_eq!(
             KeyRule::MessageId.key_of(&bad).unwrap_err().0,
             Code::MessageKeyInvalid
+        );
+        let slash = message("{}", Some("order_sync/invoice:7"), &[]);
+        assert_eq!(
+            KeyRule::MessageId.key_of(&slash).unwrap_err().0,
+            Code::MessageKeyInvalid,
+            "PLUGIN/KEY is the host's form for child jobs"
+        );
+        let float = message(r#"{"id": 7.0}"#, None, &[]);
+        assert_eq!(
+            KeyRule::parse("json:/id")
+                .unwrap()
+                .key_of(&float)
+                .unwrap_err()
+                .0,
+            Code::MessageKeyMissing
+        );
+        let both = message("{}", None, &[("order-id", "lower"), ("Order-Id", "exact")]);
+        assert_eq!(
+            KeyRule::parse("header:Order-Id")
+                .unwrap()
+                .key_of(&both)
+                .unwrap(),
+            "exact"
         );
         assert!(KeyRule::parse("header:").is_err());
         assert!(KeyRule::parse("json:id").is_err());

@@ -4,7 +4,7 @@
 //! is the source's prefetch, so a slow store holds the stream back instead
 //! of buffering it.
 
-use super::{Backoff, Incoming, Source, ingest};
+use super::{Backoff, Incoming, Source};
 use crate::store::Store;
 use async_nats::jetstream::{self, consumer::AckPolicy, consumer::pull};
 use futures::StreamExt;
@@ -17,8 +17,6 @@ use tokio_util::sync::CancellationToken;
 enum SessionError {
     #[error("broker: {0}")]
     Broker(String),
-    #[error("store: {0}")]
-    Store(#[from] crate::store::StoreError),
 }
 
 fn broker(error: impl std::fmt::Display) -> SessionError {
@@ -78,9 +76,16 @@ async fn session(
     stop: &CancellationToken,
     backoff: &mut Backoff,
 ) -> Result<(), SessionError> {
-    let client = async_nats::connect(&source.config.url)
-        .await
-        .map_err(broker)?;
+    let connect = async_nats::ConnectOptions::new()
+        .max_reconnects(Some(5))
+        .connect(&source.config.url);
+    let client = tokio::select! {
+        _ = stop.cancelled() => return Ok(()),
+        client = tokio::time::timeout(Duration::from_secs(30), connect) => match client {
+            Ok(client) => client.map_err(broker)?,
+            Err(_) => return Err(broker("no connection within 30 s")),
+        },
+    };
     let context = jetstream::new(client.clone());
     let stream_name = source.config.stream.clone().unwrap_or_default();
     let stream = context.get_stream(&stream_name).await.map_err(broker)?;
@@ -88,7 +93,7 @@ async fn session(
         .config
         .consumer
         .clone()
-        .unwrap_or_else(|| "idem".into());
+        .unwrap_or_else(|| format!("idem-{}", source.config.plugin));
     let consumer = stream
         .get_or_create_consumer(
             &durable,
@@ -103,8 +108,16 @@ async fn session(
         )
         .await
         .map_err(broker)?;
+    // A consumer made elsewhere is used as it is: it must acknowledge
+    // explicitly, or a crash after delivery would lose messages.
+    let mut consumer = consumer;
+    let policy = consumer.info().await.map_err(broker)?.config.ack_policy;
+    if policy != AckPolicy::Explicit {
+        return Err(broker(format!(
+            "the consumer {durable:?} acknowledges with {policy:?}; idem needs explicit acks (delete it or name another)"
+        )));
+    }
     tracing::info!(source = %source.name, stream = %stream_name, consumer = %durable, "source connected");
-    let mut connected = true;
     // An empty fetch waits this long for the first message.
     let expires = source.config.batch_wait.max(Duration::from_millis(500));
     loop {
@@ -135,18 +148,24 @@ async fn session(
         if messages.is_empty() {
             continue;
         }
-        if connected {
-            backoff.reset();
-            connected = false;
-        }
         crate::metrics::source_messages(&source.name, "received", messages.len());
         let incoming: Vec<Incoming> = messages.iter().map(incoming).collect();
-        ingest(store, source, &incoming).await?;
+        let Some(_) = super::ingest_until_stored(store, source, &incoming, stop).await else {
+            return Ok(());
+        };
         for message in &messages {
             message.ack().await.map_err(broker)?;
         }
-        // Acks are publishes: out before the next fetch (or the exit).
-        client.flush().await.map_err(broker)?;
+        // Acks are publishes: out before the next fetch (or the exit); a
+        // flush that cannot finish (the server is gone) leaves them to
+        // redelivery, which the jobs' keys absorb.
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            flushed = tokio::time::timeout(Duration::from_secs(10), client.flush()) => {
+                flushed.map_err(|_| broker("acks not flushed within 10 s"))?.map_err(broker)?;
+            }
+        }
+        backoff.reset();
         crate::metrics::source_messages(&source.name, "acked", messages.len());
         if let Some(info) = messages.last().and_then(|m| m.info().ok()) {
             crate::metrics::source_lag(&source.name, info.pending);

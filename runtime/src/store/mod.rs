@@ -79,9 +79,9 @@ pub trait Store: Send + Sync + 'static {
     async fn job_insert_many(&self, jobs: Vec<NewJob>) -> Result<Vec<Enqueued>>;
 
     /// Keeps a job that can never run (a broker message without a usable
-    /// key, say) as dead on arrival, with `error` as its failure and no
-    /// idempotency key (`job.idempotency_key` is ignored), so an operator
-    /// finds it in the dead-letter queue with its payload.
+    /// key, say) as dead on arrival, with `error` as its failure, so an
+    /// operator finds it in the dead-letter queue with its payload. A key
+    /// already held returns that job and writes nothing (a redelivery).
     async fn job_insert_dead(&self, job: NewJob, error: ErrorRecord) -> Result<JobId>;
 
     /// Reads one job.

@@ -170,8 +170,8 @@ impl Queries {
             job_insert_dead: x(
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
                      state, max_attempts, correlation_id, created_at, updated_at, finished_at) \
-                 VALUES ($1, $2, $3, NULL, 0, {now}, 'dead', $4, $5, {now}, {now}, {now}) \
-                 RETURNING id",
+                 VALUES ($1, $2, $3, $6, 0, {now}, 'dead', $4, $5, {now}, {now}, {now}) \
+                 ON CONFLICT (plugin, idempotency_key) DO NOTHING RETURNING id",
             ),
             job_dead_error: x(&format!(
                 "UPDATE jobs SET {record} WHERE id = $1",

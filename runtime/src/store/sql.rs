@@ -339,21 +339,31 @@ impl Store for SqlStore {
     }
 
     async fn job_insert_dead(&self, job: NewJob, error: ErrorRecord) -> Result<JobId> {
-        let job = input::insertable(NewJob {
-            idempotency_key: None,
-            ..job
-        })?;
+        let job = input::insertable(job)?;
         let (record, code, message) = input::error_json(&error)?;
         let id = with_db!(self, |_read, write| {
             let mut tx = write.begin_write().await?;
-            let id: i64 = sqlx::query_scalar(&self.q.job_insert_dead)
+            let inserted: Option<i64> = sqlx::query_scalar(&self.q.job_insert_dead)
                 .bind(&job.queue)
                 .bind(&job.plugin)
                 .bind(&job.payload)
                 .bind(job.max_attempts)
                 .bind(&job.correlation_id)
-                .fetch_one(&mut *tx)
+                .bind(&job.idempotency_key)
+                .fetch_optional(&mut *tx)
                 .await?;
+            let Some(id) = inserted else {
+                // Kept before (a redelivery): the job that holds the key.
+                let existing: Option<i64> = sqlx::query_scalar(&self.q.job_by_key)
+                    .bind(&job.plugin)
+                    .bind(&job.idempotency_key)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                return existing.map(JobId).ok_or_else(|| {
+                    StoreError::Corrupt("a dead job's key conflicts but cannot be read".into())
+                });
+            };
             sqlx::query(&self.q.job_dead_error)
                 .bind(id)
                 .bind(&record)

@@ -572,7 +572,7 @@ pub async fn dead_on_arrival_keeps_the_payload_and_the_code(store: Arc<dyn Store
     let id = store
         .job_insert_dead(
             NewJob {
-                idempotency_key: Some("ignored".into()),
+                idempotency_key: Some("dead-on-arrival:1".into()),
                 queue: "inbox".into(),
                 ..NewJob::new("order_sync", b"{\"no\":\"key\"}".to_vec())
             },
@@ -583,7 +583,20 @@ pub async fn dead_on_arrival_keeps_the_payload_and_the_code(store: Arc<dyn Store
     let job = store.job_get(id).await.unwrap().unwrap();
     assert_eq!(job.state, JobState::Dead);
     assert_eq!(job.payload, b"{\"no\":\"key\"}");
-    assert_eq!(job.idempotency_key, None, "no key: it dedupes nothing");
+    assert_eq!(job.idempotency_key.as_deref(), Some("dead-on-arrival:1"));
+    // The same message again (a redelivery): the same dead job, one record.
+    let again = store
+        .job_insert_dead(
+            NewJob {
+                idempotency_key: Some("dead-on-arrival:1".into()),
+                queue: "inbox".into(),
+                ..NewJob::new("order_sync", b"{\"no\":\"key\"}".to_vec())
+            },
+            error(0, "permanent", "message_key_missing"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(again, id);
     assert_eq!(job.queue, "inbox");
     assert_eq!(job.last_error_code.as_deref(), Some("message_key_missing"));
     assert_eq!(job.errors.len(), 1);
