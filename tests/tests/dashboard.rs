@@ -56,13 +56,19 @@ async fn chromedriver() -> (Chromedriver, String) {
 
 /// The element with this id once the page that has it is loaded (a click
 /// that navigates returns before the next page is there).
+/// A lookup that lands while the browser navigates fails ("aborted by
+/// navigation", no such element): it is asked again until the page is there.
 async fn wait_for(client: &fantoccini::Client, id: &str) -> fantoccini::elements::Element {
-    client
-        .wait()
-        .at_most(Duration::from_secs(20))
-        .for_element(Locator::Id(id))
-        .await
-        .unwrap_or_else(|e| panic!("#{id} did not appear: {e}"))
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match client.find(Locator::Id(id)).await {
+            Ok(element) => return element,
+            Err(error) if tokio::time::Instant::now() > deadline => {
+                panic!("#{id} did not appear: {error}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
 }
 
 async fn screenshot(client: &fantoccini::Client, name: &str) {
