@@ -269,3 +269,27 @@ async fn a_failing_flush_fails_every_write_of_it() {
     .unwrap();
     conformance::batch::a_failing_flush_fails_every_write_of_it(Arc::new(store)).await;
 }
+
+/// Two processes (here: two independent stores) opening a brand-new file
+/// at the same instant both migrate it: SQLite has no migration lock, and
+/// the later one finds the other's work instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_openers_of_a_new_file_both_succeed() {
+    for _ in 0..10 {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("new.db").display());
+        let (a, b, c) = tokio::join!(
+            idem::store::open(&url, Clock::Database),
+            idem::store::open(&url, Clock::Database),
+            idem::store::open(&url, Clock::Database),
+        );
+        for store in [a, b, c] {
+            let store = store.expect("every opener succeeds");
+            store
+                .job_insert(idem::store::NewJob::new("p", b"{}".to_vec()))
+                .await
+                .expect("the schema is there");
+            store.close().await;
+        }
+    }
+}

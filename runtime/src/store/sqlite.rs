@@ -13,7 +13,7 @@
 use super::dialect::{BackendKind, BindRows, ColType, Dialect, DialectConn, RowSet, WritePool};
 use super::queries::{Clock, Queries};
 use super::sql::{Pools, SqlStore};
-use super::{Enqueued, NewJob, Result, input};
+use super::{Enqueued, NewJob, Result, StoreError, input};
 use sqlx::sqlite::{
     SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
     SqlitePoolOptions, SqliteSynchronous,
@@ -79,6 +79,29 @@ static QUERIES: LazyLock<Queries> = LazyLock::new(|| Queries::new(&DIALECT, Cloc
 /// # Ok(()) }
 /// ```
 pub async fn connect(url: &str, clock: Clock) -> Result<SqlStore> {
+    // Several processes opening a brand-new file at the same instant race:
+    // switching it to WAL can answer "database is locked" at once, and
+    // SQLite has no migration lock, so the later migrator finds the first
+    // table there. A fresh look a moment later sees the other's finished
+    // work and has nothing left to do.
+    let mut tries = 0u64;
+    loop {
+        match connect_once(url, clock).await {
+            Ok(store) => return Ok(store),
+            Err(error)
+                if tries < 5
+                    && (error.is_transient() || matches!(error, StoreError::Migrate(_))) =>
+            {
+                tries += 1;
+                tracing::debug!(%error, tries, "opening the SQLite store again");
+                tokio::time::sleep(std::time::Duration::from_millis(25 * tries)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+async fn connect_once(url: &str, clock: Clock) -> Result<SqlStore> {
     let in_memory = url.contains(":memory:") || url.contains("mode=memory");
     let options = SqliteConnectOptions::from_str(url)?
         .create_if_missing(true)
