@@ -273,24 +273,33 @@ pub async fn effect_fingerprint_conflict(store: Arc<dyn Store>) {
 pub async fn effect_claim_race(store: Arc<dyn Store>) {
     for round in 0..5 {
         let key = format!("race:{round}");
+        // Each racer first holds a job of its own, one after another: eight
+        // concurrent claims of the holders' queue can each skip the rows the
+        // others have locked and find none, and a racer that failed before
+        // the barrier would leave the others waiting for ever.
+        let mut params = Vec::new();
+        for w in 0..8 {
+            params.push(claim(&store, &key, &format!("w{w}"), LONG).await);
+        }
         let barrier = Arc::new(tokio::sync::Barrier::new(8));
-        let tasks: Vec<_> = (0..8)
-            .map(|w| {
+        let tasks: Vec<_> = params
+            .into_iter()
+            .map(|params| {
                 let store = store.clone();
                 let barrier = barrier.clone();
-                let key = key.clone();
                 tokio::spawn(async move {
-                    let params = claim(&store, &key, &format!("w{w}"), LONG).await;
                     barrier.wait().await;
                     store.effect_claim(params).await.unwrap()
                 })
             })
             .collect();
-        let outcomes: Vec<EffectClaim> = futures::future::join_all(tasks)
-            .await
-            .into_iter()
-            .map(|r| r.unwrap())
-            .collect();
+        let outcomes: Vec<EffectClaim> =
+            tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(tasks))
+                .await
+                .expect("every racer answers")
+                .into_iter()
+                .map(|r| r.unwrap())
+                .collect();
         let winners = outcomes
             .iter()
             .filter(|o| matches!(o, EffectClaim::Claimed { .. }))
