@@ -71,7 +71,7 @@ async fn amqp_publish(queue: &str, messages: &[Out]) {
             );
         }
         properties = properties.with_headers(headers);
-        channel
+        let confirmation = channel
             .basic_publish(
                 "".into(),
                 queue.into(),
@@ -83,6 +83,7 @@ async fn amqp_publish(queue: &str, messages: &[Out]) {
             .unwrap()
             .await
             .unwrap();
+        assert!(confirmation.is_ack(), "the broker stored the message");
     }
     connection.close(200, "done".into()).await.unwrap();
 }

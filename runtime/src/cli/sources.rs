@@ -276,6 +276,17 @@ async fn bench(database_url: Option<&str>, args: SourcesBenchArgs) -> Result<(),
     Ok(())
 }
 
+/// A message the broker refused to store is an error, not a publish.
+fn confirmed(confirmation: lapin::Confirmation) -> Result<(), CliError> {
+    if confirmation.is_ack() {
+        Ok(())
+    } else {
+        Err(broker_error(format!(
+            "the broker did not confirm a message ({confirmation:?})"
+        )))
+    }
+}
+
 async fn amqp_publish(url: &str, queue: &str, n: u32) -> Result<(), CliError> {
     let messages: Vec<(Vec<u8>, Option<String>)> = (0..n)
         .map(|i| {
@@ -330,12 +341,12 @@ async fn amqp_send(
         );
         if pending.len() == 1000 {
             for confirm in pending.drain(..) {
-                confirm.await.map_err(broker_error)?;
+                confirmed(confirm.await.map_err(broker_error)?)?;
             }
         }
     }
     for confirm in pending {
-        confirm.await.map_err(broker_error)?;
+        confirmed(confirm.await.map_err(broker_error)?)?;
     }
     connection
         .close(200, "done".into())

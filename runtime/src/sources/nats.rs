@@ -118,8 +118,11 @@ async fn session(
         )));
     }
     tracing::info!(source = %source.name, stream = %stream_name, consumer = %durable, "source connected");
-    // An empty fetch waits this long for the first message.
-    let expires = source.config.batch_wait.max(Duration::from_millis(500));
+    // A pull request lives this long; its messages are handed over in
+    // chunks as they come (a chunk closes `batch_wait` after its first
+    // message), so a quiet stream's message waits `batch_wait`, not the
+    // request's whole life.
+    let expires = source.config.batch_wait.max(Duration::from_secs(1));
     loop {
         if stop.is_cancelled() {
             return Ok(());
@@ -133,42 +136,68 @@ async fn session(
             _ = stop.cancelled() => return Ok(()),
             batch = fetch => batch.map_err(broker)?,
         };
-        let mut messages = Vec::new();
-        loop {
-            let next = tokio::select! {
+        let mut ended = false;
+        while !ended {
+            let first = tokio::select! {
                 // Fetched but unacknowledged messages are redelivered after ack_wait.
                 _ = stop.cancelled() => return Ok(()),
                 next = batch.next() => next,
             };
-            match next {
-                Some(message) => messages.push(message.map_err(broker)?),
-                None => break,
+            let Some(first) = first else { break };
+            let mut messages = vec![first.map_err(broker)?];
+            let deadline = tokio::time::Instant::now() + source.config.batch_wait;
+            while messages.len() < source.config.batch {
+                let next = tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    next = tokio::time::timeout_at(deadline, batch.next()) => next,
+                };
+                match next {
+                    Ok(Some(message)) => messages.push(message.map_err(broker)?),
+                    Ok(None) => {
+                        ended = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
             }
-        }
-        if messages.is_empty() {
-            continue;
-        }
-        crate::metrics::source_messages(&source.name, "received", messages.len());
-        let incoming: Vec<Incoming> = messages.iter().map(incoming).collect();
-        let Some(_) = super::ingest_until_stored(store, source, &incoming, stop).await else {
-            return Ok(());
-        };
-        for message in &messages {
-            message.ack().await.map_err(broker)?;
-        }
-        // Acks are publishes: out before the next fetch (or the exit); a
-        // flush that cannot finish (the server is gone) leaves them to
-        // redelivery, which the jobs' keys absorb.
-        tokio::select! {
-            _ = stop.cancelled() => return Ok(()),
-            flushed = tokio::time::timeout(Duration::from_secs(10), client.flush()) => {
-                flushed.map_err(|_| broker("acks not flushed within 10 s"))?.map_err(broker)?;
-            }
-        }
-        backoff.reset();
-        crate::metrics::source_messages(&source.name, "acked", messages.len());
-        if let Some(info) = messages.last().and_then(|m| m.info().ok()) {
-            crate::metrics::source_lag(&source.name, info.pending);
+            chunk(store, source, &client, &messages, stop).await?;
+            backoff.reset();
         }
     }
+}
+
+/// Inserts a chunk of messages, then acknowledges each and flushes the acks.
+async fn chunk(
+    store: &dyn Store,
+    source: &Source,
+    client: &async_nats::Client,
+    messages: &[jetstream::Message],
+    stop: &CancellationToken,
+) -> Result<(), SessionError> {
+    crate::metrics::source_messages(&source.name, "received", messages.len());
+    let incoming: Vec<Incoming> = messages.iter().map(incoming).collect();
+    if super::ingest_until_stored(store, source, &incoming, stop)
+        .await
+        .is_none()
+    {
+        // Stopped: nothing is acknowledged; the messages come back.
+        return Ok(());
+    }
+    for message in messages {
+        message.ack().await.map_err(broker)?;
+    }
+    // Acks are publishes: out before the next chunk (or the exit); a flush
+    // that cannot finish (the server is gone) leaves them to redelivery,
+    // which the jobs' keys absorb.
+    tokio::select! {
+        _ = stop.cancelled() => return Ok(()),
+        flushed = tokio::time::timeout(Duration::from_secs(10), client.flush()) => {
+            flushed.map_err(|_| broker("acks not flushed within 10 s"))?.map_err(broker)?;
+        }
+    }
+    crate::metrics::source_messages(&source.name, "acked", messages.len());
+    if let Some(info) = messages.last().and_then(|m| m.info().ok()) {
+        crate::metrics::source_lag(&source.name, info.pending);
+    }
+    Ok(())
 }
