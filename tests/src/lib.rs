@@ -226,6 +226,23 @@ impl Harness {
         .expect("worker")
     }
 
+    /// The HTTP surface's state over this harness: its store, plugins and
+    /// providers, behind `token`, replays paced at 1000/s; `worker` says
+    /// whether a worker runs beside it.
+    pub fn api_state(&self, token: &str, worker: bool) -> idem::ops::api::ApiState {
+        idem::ops::api::ApiState {
+            store: self.store.clone(),
+            registry: Some(self.registry.clone()),
+            providers: self.providers(),
+            token: Some(idem::ops::auth::Token::new(token).expect("token")),
+            metrics: None,
+            metrics_open: false,
+            replay: Arc::new(idem::ops::replay::Pacer::per_second(1000.0).expect("rate")),
+            default_max_attempts: 5,
+            worker,
+        }
+    }
+
     /// Writes a manifest for a plugin in the copied folder and reloads.
     pub fn set_manifest(&self, plugin: &str, manifest: &str) {
         std::fs::write(
@@ -266,4 +283,32 @@ impl Harness {
 
 fn toml_config(text: &str) -> ProviderConfig {
     toml::from_str(text).expect("provider config")
+}
+
+/// Starts `idem` (the test binary `exe`, built with failpoints) as
+/// `idem --config CONFIG run ARGS..` with `failpoints` armed
+/// (`IDEM_FAILPOINTS`): the process the fault-injection tests kill at a
+/// failpoint. Killed when dropped.
+pub fn spawn_run(
+    exe: &str,
+    config: &std::path::Path,
+    args: &[&str],
+    failpoints: &str,
+) -> tokio::process::Child {
+    tokio::process::Command::new(exe)
+        .args(["--config"])
+        .arg(config)
+        .arg("run")
+        .args(args)
+        .env("IDEM_FAILPOINTS", failpoints)
+        .env("IDEM_LOG", "warn")
+        .env(
+            "IDEM_CACHE_DIR",
+            std::env::temp_dir().join("idem-failpoint-test-cache"),
+        )
+        .env_remove("IDEM_DATABASE_URL")
+        .env_remove("IDEM_CONFIG")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {exe} run: {e}"))
 }

@@ -2,8 +2,7 @@
 //! answers, the JSON errors, the replay with its preview, and a randomized
 //! run of malformed requests that must never get a 500 or a panic.
 
-use idem::ops::api::{ApiState, ROUTES, router};
-use idem::ops::auth::Token;
+use idem::ops::api::{ROUTES, router};
 use idem::store::{JobState, NewJob};
 use idem_provider_server::Fault;
 use idem_tests::{Backend, Harness, both_backends};
@@ -21,17 +20,7 @@ struct Api {
 
 impl Api {
     async fn start(h: &Harness) -> Api {
-        let state = ApiState {
-            store: h.store.clone(),
-            registry: Some(h.registry.clone()),
-            providers: h.providers(),
-            token: Some(Token::new(TOKEN).unwrap()),
-            metrics: None,
-            metrics_open: false,
-            replay: std::sync::Arc::new(idem::ops::replay::Pacer::per_second(1000.0).unwrap()),
-            default_max_attempts: 5,
-            worker: false,
-        };
+        let state = h.api_state(TOKEN, false);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let server = tokio::spawn(async move {

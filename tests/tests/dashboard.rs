@@ -5,8 +5,6 @@
 //! there (`docs/screenshots` holds the committed ones).
 
 use fantoccini::{ClientBuilder, Locator};
-use idem::ops::api::ApiState;
-use idem::ops::auth::Token;
 use idem::store::NewJob;
 use idem_provider_server::Fault;
 use idem_tests::{Backend, Harness};
@@ -124,17 +122,7 @@ async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
         let stop = stop.clone();
         async move { worker.run(stop).await }
     });
-    let state = ApiState {
-        store: h.store.clone(),
-        registry: Some(h.registry.clone()),
-        providers: h.providers(),
-        token: Some(Token::new(TOKEN).unwrap()),
-        metrics: None,
-        metrics_open: false,
-        replay: std::sync::Arc::new(idem::ops::replay::Pacer::per_second(100.0).unwrap()),
-        default_max_attempts: 5,
-        worker: true,
-    };
+    let state = h.api_state(TOKEN, true);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(idem::ops::api::serve(listener, state, stop.clone()));

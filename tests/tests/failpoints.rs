@@ -21,22 +21,13 @@ fn invoice(id: u64) -> NewJob {
 
 /// Starts `idem run --exit-when-drained` on the harness with `failpoints`
 /// armed (`IDEM_FAILPOINTS`).
-fn start(h: &Harness, config: &std::path::Path, failpoints: &str) -> tokio::process::Child {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_idem-test"))
-        .args(["--config"])
-        .arg(config)
-        .args(["run", "--exit-when-drained", "--summary", "false"])
-        .env("IDEM_FAILPOINTS", failpoints)
-        .env("IDEM_LOG", "warn")
-        .env(
-            "IDEM_CACHE_DIR",
-            std::env::temp_dir().join("idem-failpoint-test-cache"),
-        )
-        .env_remove("IDEM_DATABASE_URL")
-        .env_remove("IDEM_CONFIG")
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("start idem run ({}): {e}", h.url))
+fn start(config: &std::path::Path, failpoints: &str) -> tokio::process::Child {
+    idem_tests::spawn_run(
+        env!("CARGO_BIN_EXE_idem-test"),
+        config,
+        &["--exit-when-drained", "--summary", "false"],
+        failpoints,
+    )
 }
 
 /// Waits for the process to die at its failpoint.
@@ -71,7 +62,7 @@ async fn finished_once(h: &Harness, id: idem::store::JobId) {
 async fn dies_at(h: &Harness, failpoint: &str) -> idem::store::JobId {
     let id = h.store.job_insert(invoice(42)).await.unwrap().id;
     let config = h.config_file(Duration::from_secs(5));
-    died(start(h, config.path(), &format!("{failpoint}=abort"))).await;
+    died(start(config.path(), &format!("{failpoint}=abort"))).await;
     id
 }
 
@@ -153,7 +144,7 @@ async fn in_heartbeat(backend: Backend) {
     h.provider_timeout = Duration::from_secs(10);
     let id = h.store.job_insert(invoice(42)).await.unwrap().id;
     let config = h.config_file(Duration::from_millis(1500));
-    died(start(&h, config.path(), "in_heartbeat=abort")).await;
+    died(start(config.path(), "in_heartbeat=abort")).await;
     // Usually during the call; on a slow machine the heartbeat may come first.
     assert!(h.provider.requests(KEY) <= 1);
     take_over(&h).await;
@@ -179,7 +170,7 @@ async fn before_release(backend: Backend) {
         .unwrap()
         .replace("default = 2", "default = 1");
     std::fs::write(config.path(), text).unwrap();
-    let child = start(&h, config.path(), "before_release=abort");
+    let child = start(config.path(), "before_release=abort");
     let pid = child.id().expect("running");
     tokio::time::timeout(Duration::from_secs(60), async {
         while h.provider.requests(KEY)

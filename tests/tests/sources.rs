@@ -332,6 +332,28 @@ async fn nats_messages_published_twice_become_one_job_each() {
     nats_delete(&stream).await;
 }
 
+/// Whether the broker holds nothing more for the source: an AMQP queue
+/// with no ready message, a JetStream consumer with nothing pending or
+/// awaiting an ack.
+async fn broker_settled(kind: &str, name: &str) -> bool {
+    match kind {
+        "amqp" => amqp_depth(name).await == 0,
+        _ => {
+            let client = async_nats::connect(NATS).await.unwrap();
+            let js = async_nats::jetstream::new(client);
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+                .get_stream(name)
+                .await
+                .unwrap()
+                .get_consumer("idem")
+                .await
+                .unwrap();
+            let info = consumer.info().await.unwrap();
+            info.num_pending == 0 && info.num_ack_pending == 0
+        }
+    }
+}
+
 /// A TCP proxy whose connections the test can cut, standing in for a
 /// broker that goes away mid-stream.
 struct Proxy {
@@ -440,8 +462,15 @@ async fn broker_goes_away(kind: &str) {
         }
     })
     .await;
-    // Let in-flight redeliveries settle, then stop.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Redeliveries of what the cuts left unacknowledged come back until
+    // the broker has nothing left for the source; then stop.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !broker_settled(kind, &name).await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the broker settles");
     stop.cancel();
     for task in tasks {
         task.await.unwrap();
@@ -506,21 +535,12 @@ async fn crash_between_insert_and_ack(kind: &str) {
         if kind == "nats" { "ack_wait = \"2s\"\n" } else { "" },
     ));
     std::fs::write(config.path(), text).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem-test"))
-        .args(["--config"])
-        .arg(config.path())
-        .args(["run", "--summary", "false", "--queues", "nothing=1"])
-        .env("IDEM_FAILPOINTS", "after_insert_before_ack=abort")
-        .env("IDEM_LOG", "warn")
-        .env(
-            "IDEM_CACHE_DIR",
-            std::env::temp_dir().join("idem-failpoint-test-cache"),
-        )
-        .env_remove("IDEM_DATABASE_URL")
-        .env_remove("IDEM_CONFIG")
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let mut child = idem_tests::spawn_run(
+        env!("CARGO_BIN_EXE_idem-test"),
+        config.path(),
+        &["--summary", "false", "--queues", "nothing=1"],
+        "after_insert_before_ack=abort",
+    );
     let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
         .await
         .expect("the process reaches the failpoint")
@@ -537,24 +557,9 @@ async fn crash_between_insert_and_ack(kind: &str) {
     consume_until(&h.store, source, || {
         let (store, name) = (store.clone(), depth_name.clone());
         async move {
-            let settled = match kind {
-                "amqp" => amqp_depth(&name).await == 0,
-                _ => {
-                    let client = async_nats::connect(NATS).await.unwrap();
-                    let js = async_nats::jetstream::new(client);
-                    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
-                        .get_stream(&name)
-                        .await
-                        .unwrap()
-                        .get_consumer("idem")
-                        .await
-                        .unwrap();
-                    let info = consumer.info().await.unwrap();
-                    // Delivered to the dead process and never acknowledged:
-                    // pending acks until redelivered here and acknowledged.
-                    info.num_pending == 0 && info.num_ack_pending == 0
-                }
-            };
+            // Delivered to the dead process and never acknowledged: pending
+            // until redelivered here and acknowledged.
+            let settled = broker_settled(kind, &name).await;
             settled && jobs(&store, JobState::Available).await.len() == 10
         }
     })

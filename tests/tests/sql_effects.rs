@@ -404,21 +404,12 @@ mod crashes {
     use super::*;
 
     fn start(config: &std::path::Path, failpoints: &str) -> tokio::process::Child {
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_idem-test"))
-            .args(["--config"])
-            .arg(config)
-            .args(["run", "--exit-when-drained", "--summary", "false"])
-            .env("IDEM_FAILPOINTS", failpoints)
-            .env("IDEM_LOG", "warn")
-            .env(
-                "IDEM_CACHE_DIR",
-                std::env::temp_dir().join("idem-failpoint-test-cache"),
-            )
-            .env_remove("IDEM_DATABASE_URL")
-            .env_remove("IDEM_CONFIG")
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start idem run")
+        idem_tests::spawn_run(
+            env!("CARGO_BIN_EXE_idem-test"),
+            config,
+            &["--exit-when-drained", "--summary", "false"],
+            failpoints,
+        )
     }
 
     async fn dies(h: &Harness, billing_url: Option<&str>, failpoint: &str) {

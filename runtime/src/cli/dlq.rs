@@ -196,11 +196,6 @@ async fn show(config: &Config, id: JobId) -> Result<(), CliError> {
     }
 }
 
-/// Parses `10/s`, `600/m` or a bare number (per second).
-pub fn parse_rate(text: &str) -> Result<f64, String> {
-    crate::ops::replay::parse_rate(text)
-}
-
 /// Which dead jobs to replay.
 struct ReplayFilter {
     ids: Vec<i64>,
@@ -236,7 +231,7 @@ async fn replay(
     rate: &str,
     discard_plan: bool,
 ) -> Result<(), CliError> {
-    let pacer = parse_rate(rate)
+    let pacer = crate::ops::replay::parse_rate(rate)
         .and_then(crate::ops::replay::Pacer::per_second)
         .map_err(CliError::Usage)?;
     let request = filter.request(discard_plan, 0);
@@ -351,15 +346,4 @@ async fn preview(
 
 fn short(hash: &str) -> &str {
     hash.get(..12).unwrap_or(hash)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn rates_parse() {
-        assert_eq!(super::parse_rate("10/s").unwrap(), 10.0);
-        assert_eq!(super::parse_rate("60/m").unwrap(), 1.0);
-        assert!(super::parse_rate("0/s").is_err());
-        assert!(super::parse_rate("ten").is_err());
-    }
 }

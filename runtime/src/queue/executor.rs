@@ -252,12 +252,7 @@ impl Executor {
             permit.release();
             return Err(PlanOutcome::Aborted);
         }
-        // The key's lease must outlast the call, or a second holder could
-        // call the provider while this one still waits for the answer.
-        let lease = self
-            .effect_lease
-            .max(provider.provider.timeout() * 2 + Duration::from_secs(5));
-        metrics::effect_lease(&effect.provider, lease);
+        let lease = self.key_lease(&provider);
         let fence = match self.claim(job, effect, lease).await {
             Ok((fence, None)) => fence,
             Ok((fence, Some(sent_ago))) => match may_resend(
@@ -301,6 +296,14 @@ impl Executor {
         failpoint::hit(Failpoint::AfterKeyMarked)
             .await
             .map_err(PlanOutcome::Store)
+    }
+
+    /// The lease a provider's calls run under: it must outlast the call, or
+    /// a second holder could call the provider while this one still waits
+    /// for the answer.
+    pub fn key_lease(&self, provider: &GuardedProvider) -> Duration {
+        self.effect_lease
+            .max(provider.provider.timeout() * 2 + Duration::from_secs(5))
     }
 
     /// Releases before keys were scoped to their plugin stored the plugin's

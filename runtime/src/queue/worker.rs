@@ -165,11 +165,13 @@ impl Worker {
         }
     }
 
-    /// Circuit states and the idempotency hit ratio, as gauges.
+    /// Circuit states, key leases and the idempotency hit ratio, as gauges
+    /// (off the hot path: each is a function of configuration or a counter).
     fn publish_gauges(&self) {
         use std::sync::atomic::Ordering::Relaxed;
         for provider in self.executor.providers.iter() {
             metrics::circuit_state(&provider.name, provider.guard.circuit());
+            metrics::effect_lease(&provider.name, self.executor.key_lease(provider));
         }
         metrics::idempotency_hit_ratio(
             self.stats.idempotency_hits.load(Relaxed),

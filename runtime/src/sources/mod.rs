@@ -494,6 +494,23 @@ pub async fn ingest_until_stored(
     }
 }
 
+/// After a broker session ended with `error`: counts the reconnect and
+/// waits out the backoff; `false` when `stop` fired meanwhile.
+pub(crate) async fn wait_to_reconnect(
+    source: &Source,
+    error: &(dyn std::fmt::Display + Sync),
+    backoff: &mut Backoff,
+    stop: &CancellationToken,
+) -> bool {
+    crate::metrics::source_reconnect(&source.name);
+    let wait = backoff.next_delay();
+    tracing::warn!(source = %source.name, %error, ?wait, "source session ended; reconnecting");
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(wait) => true,
+    }
+}
+
 /// Starts every configured source; each reconnects on its own until `stop`.
 pub fn spawn_all(
     store: Arc<dyn Store>,

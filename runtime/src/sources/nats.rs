@@ -33,12 +33,8 @@ pub async fn run(store: Arc<dyn Store>, source: Source, stop: CancellationToken)
         match session(&*store, &source, &stop, &mut backoff).await {
             Ok(()) => return,
             Err(error) => {
-                crate::metrics::source_reconnect(&source.name);
-                let wait = backoff.next_delay();
-                tracing::warn!(source = %source.name, %error, ?wait, "source session ended; reconnecting");
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => {}
+                if !super::wait_to_reconnect(&source, &error, &mut backoff, &stop).await {
+                    return;
                 }
             }
         }
