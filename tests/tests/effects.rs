@@ -1039,7 +1039,81 @@ async fn a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once(backend: Back
     assert!(job.plan.is_none(), "no plan was stored");
 }
 
+fn numbered(i: u64) -> NewJob {
+    NewJob::new("bench_child", format!(r#"{{"i": {i}}}"#).into_bytes())
+}
+
+/// A plan made only of child jobs finishes in one write; a delivery whose
+/// key is in the ledger already goes effect by effect and finds it done.
+async fn a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_done(
+    backend: Backend,
+) {
+    let h = Harness::new(backend).await;
+    let first = h.store.job_insert(numbered(1)).await.unwrap().id;
+    h.store.job_insert(numbered(2)).await.unwrap();
+    let stats = h.drain().await;
+    assert_eq!(stats.succeeded, 2, "{stats:?}");
+    assert_eq!(stats.plugin_calls, 2);
+    assert_eq!(stats.effects_executed, 2);
+    assert_eq!(stats.idempotency_hits, 0);
+    let parent = h.store.job_get(first).await.unwrap().unwrap();
+    assert_eq!(parent.state, JobState::Succeeded);
+    assert!(
+        parent
+            .plan
+            .as_deref()
+            .is_some_and(|p| p.contains("bench:1:child"))
+    );
+    let row = h
+        .store
+        .effect_get("bench_child/bench:1:child")
+        .await
+        .unwrap()
+        .expect("a ledger row for the child");
+    assert_eq!(row.status, EffectStatus::Succeeded);
+    assert_eq!(row.job_id, first);
+    let children = h
+        .store
+        .job_list(JobFilter {
+            plugin: Some("noop".into()),
+            limit: 100,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(children.len(), 2);
+    let child = children
+        .iter()
+        .find(|c| c.idempotency_key.as_deref() == Some("bench_child/bench:1:child"))
+        .expect("the first job's child");
+    assert_eq!(row.result_ref, Some(child.id.to_string()));
+    assert_eq!(child.queue, "bench_children");
+    assert_eq!(child.correlation_id, parent.correlation_id);
+
+    // The same business event delivered again (another job, same key).
+    let again = h.store.job_insert(numbered(1)).await.unwrap().id;
+    let stats = h.drain().await;
+    assert_eq!(stats.succeeded, 1);
+    assert_eq!(stats.idempotency_hits, 1, "{stats:?}");
+    assert_eq!(stats.effects_executed, 0);
+    assert_eq!(
+        h.store.job_get(again).await.unwrap().unwrap().state,
+        JobState::Succeeded
+    );
+    let children = h
+        .store
+        .job_list(JobFilter {
+            plugin: Some("noop".into()),
+            limit: 100,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(children.len(), 2, "no second child");
+}
+
 both_backends!(
+    a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_done,
     a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once,
     an_effect_done_under_an_unscoped_key_by_an_older_release_is_not_sent_again,
     a_plugin_cannot_take_a_key_a_producer_will_use,

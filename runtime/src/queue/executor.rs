@@ -16,9 +16,9 @@ use crate::metrics;
 use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::store::{
-    ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectStatus,
-    EffectSucceedParams, Fence, Job, NewJob, Sent, StatementCall, StatementOutcome,
-    StatementParams, Store, StoreError, retry_transient,
+    ChildEffect, ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence,
+    EffectStatus, EffectSucceedParams, Enqueued, Fence, Job, NewJob, Sent, StatementCall,
+    StatementOutcome, StatementParams, Store, StoreError, retry_transient,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -441,12 +441,9 @@ impl Executor {
         }
     }
 
-    async fn enqueue_child(
-        &self,
-        job: &Job,
-        effect: &Effect,
-        fence: &EffectFence,
-    ) -> Result<(), PlanOutcome> {
+    /// The child job a `jobs` effect of `job` enqueues (`None` for any
+    /// other effect).
+    fn child_job(&self, job: &Job, effect: &Effect) -> Option<NewJob> {
         let Action::Enqueue {
             plugin,
             queue,
@@ -455,14 +452,9 @@ impl Executor {
             priority,
         } = &effect.action
         else {
-            let failure = Failure::host(
-                Code::UnsupportedAction,
-                "the jobs provider only enqueues jobs",
-            );
-            self.fail(fence, &failure, Sent::NotApplied).await?;
-            return Err(PlanOutcome::Failed(failure));
+            return None;
         };
-        let child = NewJob {
+        (effect.provider == JOBS_PROVIDER).then(|| NewJob {
             queue: queue.clone().unwrap_or_else(|| job.queue.clone()),
             plugin: plugin.clone(),
             payload: payload.clone(),
@@ -471,6 +463,56 @@ impl Executor {
             delay: Duration::from_millis(*delay_ms),
             max_attempts: self.child_max_attempts,
             correlation_id: Some(job.correlation_id.clone()),
+        })
+    }
+
+    /// A fresh plan made only of child jobs, as the one write that finishes
+    /// it ([`JobChange::SucceedWithChildren`](crate::store::JobChange::SucceedWithChildren)):
+    /// no provider is called, so nothing needs the ledger's claim first.
+    /// `None` when any effect goes to a provider.
+    pub fn children_only(&self, job: &Job, plan: &[Effect]) -> Option<Vec<ChildEffect>> {
+        plan.iter()
+            .map(|effect| {
+                let child = self.child_job(job, effect)?;
+                // A child the store would refuse fails the long way, as before.
+                crate::store::check_new_job(&child).ok()?;
+                let older_key = effect
+                    .idempotency_key
+                    .strip_prefix(job.plugin.as_str())
+                    .and_then(|rest| rest.strip_prefix('/'))
+                    .map(str::to_string);
+                Some(ChildEffect {
+                    key: effect.idempotency_key.clone(),
+                    older_key,
+                    fingerprint: fingerprint(effect),
+                    child,
+                })
+            })
+            .collect()
+    }
+
+    /// Counts the children a one-write finish enqueued.
+    pub fn children_enqueued(&self, children: &[Enqueued]) {
+        for child in children {
+            tracing::info!(child_job = %child.id, inserted = child.inserted, "child job enqueued");
+            WorkerStats::bump(&self.stats.effects_executed);
+            metrics::effect(JOBS_PROVIDER, "executed");
+        }
+    }
+
+    async fn enqueue_child(
+        &self,
+        job: &Job,
+        effect: &Effect,
+        fence: &EffectFence,
+    ) -> Result<(), PlanOutcome> {
+        let Some(child) = self.child_job(job, effect) else {
+            let failure = Failure::host(
+                Code::UnsupportedAction,
+                "the jobs provider only enqueues jobs",
+            );
+            self.fail(fence, &failure, Sent::NotApplied).await?;
+            return Err(PlanOutcome::Failed(failure));
         };
         let params = ChildParams {
             fence: fence.clone(),

@@ -14,6 +14,9 @@ use std::time::Duration;
 pub enum Attempt {
     /// Plan executed.
     Succeeded,
+    /// Plan executed and the success written with it, in one write (a
+    /// plan made only of child jobs): nothing is left to record.
+    Finished,
     /// A classified failure.
     Failed(Failure),
     /// Try again later without using an attempt.
@@ -94,6 +97,11 @@ pub fn decide(
     let Version { plugin_hash, plan } = version;
     let (change, recorded) = match attempt {
         Attempt::LeaseLost => return None,
+        Attempt::Finished => {
+            metrics::job_attempts(&job.plugin, job.attempt);
+            metrics::attempt_outcome(&job.plugin, job.attempt, "succeeded");
+            return None;
+        }
         Attempt::Succeeded => {
             metrics::job_attempts(&job.plugin, job.attempt);
             metrics::attempt_outcome(&job.plugin, job.attempt, "succeeded");
@@ -212,7 +220,12 @@ pub async fn record(
     policy: Policy,
     version: Version,
 ) -> Result<Recorded, StoreError> {
+    let finished = matches!(attempt, Attempt::Finished);
     let Some((write, recorded)) = decide(job, attempt, policy, version) else {
+        if finished {
+            WorkerStats::bump(&stats.succeeded);
+            return Ok(Recorded::Succeeded);
+        }
         return Ok(Recorded::Nothing);
     };
     let written = crate::store::retry_transient(|| store.write(write.clone())).await?;

@@ -18,7 +18,9 @@ use crate::plugins::{LoadedPlugin, PluginRegistry};
 use crate::providers::Providers;
 use crate::sandbox::{JobInput, RunError};
 use crate::store::group_commit::{GroupCommit, GroupCommitSettings};
-use crate::store::{Fence, Job, JobFence, SavePlanParams, Store, StoreError};
+use crate::store::{
+    ChildrenWritten, Fence, Job, JobChange, JobFence, SavePlanParams, Store, StoreError,
+};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -461,7 +463,7 @@ impl Worker {
             }
         };
         let label = match &attempt {
-            Attempt::Succeeded => "succeeded",
+            Attempt::Succeeded | Attempt::Finished => "succeeded",
             Attempt::Failed(_) => "failed",
             Attempt::Deferred { .. } => "deferred",
             Attempt::Interrupted => "interrupted",
@@ -613,6 +615,29 @@ impl Worker {
                 }
                 let json = serde_json::to_string(&plan)
                     .map_err(|e| StoreError::Invalid(format!("cannot encode the plan: {e}")))?;
+                if let Some(children) = self.executor.children_only(job, &plan) {
+                    let change = JobChange::SucceedWithChildren {
+                        plugin: job.plugin.clone(),
+                        plan: json.clone(),
+                        plugin_hash: plugin.hash().0.clone(),
+                        children,
+                    };
+                    match self
+                        .store
+                        .job_succeed_with_children(fence.clone(), change)
+                        .await?
+                    {
+                        ChildrenWritten::Applied(children) => {
+                            self.executor.children_enqueued(&children);
+                            return Ok((Attempt::Finished, Version::default()));
+                        }
+                        ChildrenWritten::FencedOut => {
+                            return Ok((Attempt::LeaseLost, Version::default()));
+                        }
+                        // A key was used before: effect by effect, below.
+                        ChildrenWritten::KeysTaken => {}
+                    }
+                }
                 let saved = self
                     .store
                     .job_save_plan(SavePlanParams {

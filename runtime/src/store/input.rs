@@ -181,6 +181,22 @@ pub(crate) fn check_write(write: &Write) -> Result<()> {
                     error: Some(error), ..
                 }
                 | JobChange::Dead { error, .. } => error_json(error).map(|_| ()),
+                JobChange::SucceedWithChildren { children, .. } => {
+                    for effect in children {
+                        check_key(&effect.key)?;
+                        if effect.fingerprint.is_empty() {
+                            return Err(StoreError::Invalid("effect fingerprint is empty".into()));
+                        }
+                        if effect.child.idempotency_key.as_deref() != Some(effect.key.as_str()) {
+                            return Err(StoreError::Invalid(format!(
+                                "the child of effect {:?} must carry the effect's key",
+                                effect.key
+                            )));
+                        }
+                        insertable(effect.child.clone())?;
+                    }
+                    Ok(())
+                }
                 _ => Ok(()),
             }
         }

@@ -640,6 +640,62 @@ pub enum JobChange {
     },
     /// Lease given back at shutdown: available at once.
     Release,
+    /// Done, for a plan made only of `jobs` effects, in **one** write: the
+    /// plan is stored, each effect's ledger row is written as succeeded and
+    /// its child job enqueued, and the job succeeds. When a key is in the
+    /// ledger already (an earlier attempt, another job, a release before
+    /// keys were scoped), nothing is written and the answer says so
+    /// ([`ChildrenWritten::KeysTaken`]): the plan is then carried out effect
+    /// by effect, as any other.
+    SucceedWithChildren {
+        /// The job's plugin (the ledger rows' plugin).
+        plugin: String,
+        /// The plan (JSON).
+        plan: String,
+        /// Plugin content hash.
+        plugin_hash: String,
+        /// The plan's effects, in order.
+        children: Vec<ChildEffect>,
+    },
+}
+
+/// One `jobs` effect of [`JobChange::SucceedWithChildren`].
+///
+/// ```
+/// use idem::store::{ChildEffect, NewJob};
+/// let child = ChildEffect {
+///     key: "parent/child:1".into(),
+///     older_key: Some("child:1".into()),
+///     fingerprint: "f".into(),
+///     child: NewJob {
+///         idempotency_key: Some("parent/child:1".into()),
+///         ..NewJob::new("noop", b"{}".to_vec())
+///     },
+/// };
+/// ```
+#[derive(Debug, Clone)]
+pub struct ChildEffect {
+    /// The effect's key: its ledger key and the child's key.
+    pub key: String,
+    /// The key a release before keys were scoped used for it: a ledger row
+    /// under it sends the plan the long way, which knows how to reuse it.
+    pub older_key: Option<String>,
+    /// The effect's fingerprint.
+    pub fingerprint: String,
+    /// The child job.
+    pub child: NewJob,
+}
+
+/// The answer to [`JobChange::SucceedWithChildren`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChildrenWritten {
+    /// The job succeeded; its children, in plan order.
+    Applied(Vec<Enqueued>),
+    /// The fence no longer holds: nothing was written.
+    FencedOut,
+    /// A key of the plan is in the ledger already, or used twice in the
+    /// batch: nothing was written.
+    KeysTaken,
 }
 
 /// How a claimed effect ended.
@@ -682,4 +738,6 @@ pub enum Written {
         /// The child job, for [`EffectChange::SucceedWithChild`].
         child: Option<Enqueued>,
     },
+    /// A [`JobChange::SucceedWithChildren`].
+    Children(ChildrenWritten),
 }

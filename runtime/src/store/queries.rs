@@ -97,6 +97,9 @@ pub(crate) struct Queries {
     pub effect_succeed: String,
     pub effect_fail: String,
     pub effect_set_ref: String,
+    pub effect_keys_present: String,
+    pub effect_insert_done: String,
+    pub effect_delete_keys: String,
     pub effect_get: String,
     pub effect_list: String,
     pub clock_advance: String,
@@ -484,6 +487,25 @@ impl Queries {
                  WHERE effects.key = t.key AND effects.status = 'succeeded'",
                 rows = (d.rows)(&[("key", Text), ("result_ref", Text)]),
             )),
+            effect_keys_present: x(&format!(
+                "SELECT key FROM effects WHERE key IN (SELECT t.key FROM {rows})",
+                rows = (d.rows)(&[("key", Text)]),
+            )),
+            // A `jobs` effect finished with its job in one write: its row is
+            // born succeeded (the child's id is set once it is inserted).
+            effect_insert_done: x(&format!(
+                "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
+                     created_at, updated_at, first_sent_at, reached) \
+                 SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'succeeded', 1, \
+                     {{now}}, {{now}}, {{now}}, 1 \
+                 FROM {rows} WHERE true ORDER BY t.ord \
+                 ON CONFLICT (key) DO NOTHING RETURNING key",
+                rows = (d.rows)(&DONE_COLS),
+            )),
+            effect_delete_keys: x(&format!(
+                "DELETE FROM effects WHERE key IN (SELECT t.key FROM {rows})",
+                rows = (d.rows)(&[("key", Text)]),
+            )),
             effect_get: x("SELECT {effect_cols} FROM effects WHERE key = $1"),
             effect_list: x(
                 "SELECT {effect_cols} FROM effects WHERE job_id = $1 ORDER BY created_at, key",
@@ -502,6 +524,15 @@ pub(crate) const CLAIM_COLS: [(&str, ColType); 7] = [
     ("fingerprint", Text),
     ("owner", Text),
     ("lease", Int),
+];
+
+/// Columns of a ledger row written as succeeded, in row-set order.
+pub(crate) const DONE_COLS: [(&str, ColType); 5] = [
+    ("key", Text),
+    ("job_id", Int),
+    ("plugin", Text),
+    ("provider", Text),
+    ("fingerprint", Text),
 ];
 
 fn expand(d: &Dialect, now: &str, text: &str) -> String {

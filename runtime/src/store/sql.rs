@@ -479,6 +479,7 @@ impl Store for SqlStore {
         let (answers, wake_workers) = with_db!(self, |_read, write| {
             let mut tx = write.begin_write().await?;
             let mut batch = Answers::new(plan.len());
+            let mut children_inserted = false;
             for (kind, sql) in [
                 (JobKind::Heartbeat, &self.q.job_heartbeat),
                 (JobKind::SavePlan, &self.q.job_save_plan),
@@ -510,6 +511,108 @@ impl Store for SqlStore {
                         .fetch_all(&mut *tx)
                         .await?;
                     batch.fences(&round, &applied);
+                }
+            }
+
+            // Plans made only of `jobs` effects: ledger rows, children and
+            // the job's success in this one transaction.
+            let finishing = plan.jobs_of(JobKind::SucceedWithChildren);
+            if !finishing.is_empty() {
+                let (mut fresh, taken) = keys_used_once(finishing);
+                for write in taken {
+                    batch.answer(write.index, Written::Children(ChildrenWritten::KeysTaken));
+                }
+                if !fresh.is_empty() {
+                    let probe: Vec<String> =
+                        fresh.iter().flat_map(|w| ledger_keys(w, true)).collect();
+                    let present: HashSet<String> = sqlx::query_scalar(&self.q.effect_keys_present)
+                        .bind_rows(RowSet::new().texts(probe))
+                        .fetch_all(&mut *tx)
+                        .await?
+                        .into_iter()
+                        .collect();
+                    let (free, taken): (Vec<_>, Vec<_>) = fresh
+                        .into_iter()
+                        .partition(|w| !ledger_keys(w, true).any(|k| present.contains(&k)));
+                    for write in taken {
+                        batch.answer(write.index, Written::Children(ChildrenWritten::KeysTaken));
+                    }
+                    fresh = free;
+                }
+                let mut ours: HashSet<String> = HashSet::new();
+                if !fresh.is_empty() {
+                    ours = sqlx::query_scalar(&self.q.effect_insert_done)
+                        .bind_rows(done_row_set(&fresh))
+                        .fetch_all(&mut *tx)
+                        .await?
+                        .into_iter()
+                        .collect();
+                }
+                // A key inserted by someone else since the probe: this job
+                // goes the long way, and the rows it did insert go again.
+                let (whole, raced): (Vec<_>, Vec<_>) = fresh
+                    .into_iter()
+                    .partition(|w| ledger_keys(w, false).all(|k| ours.contains(&k)));
+                let mut undo: Vec<String> = raced
+                    .iter()
+                    .flat_map(|w| ledger_keys(w, false))
+                    .filter(|k| ours.contains(k))
+                    .collect();
+                for write in &raced {
+                    batch.answer(write.index, Written::Children(ChildrenWritten::KeysTaken));
+                }
+                let mut applied: HashSet<i64> = HashSet::new();
+                if !whole.is_empty() {
+                    applied = sqlx::query_scalar(&self.q.job_succeed)
+                        .bind_rows(job_row_set(JobKind::Succeed, &whole)?)
+                        .fetch_all(&mut *tx)
+                        .await?
+                        .into_iter()
+                        .collect();
+                }
+                let (done, fenced): (Vec<_>, Vec<_>) = whole
+                    .into_iter()
+                    .partition(|w| applied.contains(&w.fence.id.0));
+                for write in &fenced {
+                    undo.extend(ledger_keys(write, false));
+                    batch.answer(write.index, Written::Children(ChildrenWritten::FencedOut));
+                }
+                if !undo.is_empty() {
+                    sqlx::query(&self.q.effect_delete_keys)
+                        .bind_rows(RowSet::new().texts(undo))
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                let children: Vec<(usize, String, Insertable)> = done
+                    .iter()
+                    .flat_map(|w| children_of(w).map(move |c| (w.index, c)))
+                    .map(|(index, c)| {
+                        Ok((index, c.key.clone(), input::insertable(c.child.clone())?))
+                    })
+                    .collect::<Result<_>>()?;
+                let mut enqueued_by_write: HashMap<usize, Vec<Enqueued>> = HashMap::new();
+                for chunk in children.chunks(input::INSERT_CHUNK) {
+                    let rows: Vec<&Insertable> = chunk.iter().map(|(_, _, c)| c).collect();
+                    let enqueued = insert_rows!(&mut *tx, &self.q, &rows)?;
+                    children_inserted |= enqueued.iter().any(|e| e.inserted);
+                    sqlx::query(&self.q.effect_set_ref)
+                        .bind_rows(
+                            RowSet::new()
+                                .texts(chunk.iter().map(|(_, key, _)| key.clone()))
+                                .texts(enqueued.iter().map(|e| e.id.0.to_string())),
+                        )
+                        .execute(&mut *tx)
+                        .await?;
+                    for ((index, _, _), child) in chunk.iter().zip(enqueued) {
+                        enqueued_by_write.entry(*index).or_default().push(child);
+                    }
+                }
+                for write in &done {
+                    let children = enqueued_by_write.remove(&write.index).unwrap_or_default();
+                    batch.answer(
+                        write.index,
+                        Written::Children(ChildrenWritten::Applied(children)),
+                    );
                 }
             }
 
@@ -638,7 +741,6 @@ impl Store for SqlStore {
                     .await?;
                 batch.effect_fences(&round, &applied);
             }
-            let mut children_inserted = false;
             for round in rounds(&plan.effects_of(EffectKind::Child), |w| w.fence.key.clone()) {
                 let applied: Vec<String> = sqlx::query_scalar(&self.q.effect_succeed)
                     .bind_rows(effect_row_set(EffectKind::Child, &round))
@@ -657,21 +759,22 @@ impl Store for SqlStore {
                         },
                     );
                 }
-                let children: Vec<&Insertable> =
-                    done.iter().filter_map(|w| w.child.as_ref()).collect();
-                for chunk in children.chunks(input::INSERT_CHUNK) {
-                    let enqueued = insert_rows!(&mut *tx, &self.q, chunk)?;
+                let with_child: Vec<&EffectItem> =
+                    done.iter().filter(|w| w.child.is_some()).collect();
+                for chunk in with_child.chunks(input::INSERT_CHUNK) {
+                    let children: Vec<&Insertable> =
+                        chunk.iter().filter_map(|w| w.child.as_ref()).collect();
+                    let enqueued = insert_rows!(&mut *tx, &self.q, &children)?;
                     children_inserted |= enqueued.iter().any(|e| e.inserted);
-                    let keys = done.iter().filter(|w| w.child.is_some());
                     sqlx::query(&self.q.effect_set_ref)
                         .bind_rows(
                             RowSet::new()
-                                .texts(keys.map(|w| w.fence.key.clone()))
+                                .texts(chunk.iter().map(|w| w.fence.key.clone()))
                                 .texts(enqueued.iter().map(|e| e.id.0.to_string())),
                         )
                         .execute(&mut *tx)
                         .await?;
-                    for (write, child) in done.iter().filter(|w| w.child.is_some()).zip(enqueued) {
+                    for (write, child) in chunk.iter().zip(enqueued) {
                         batch.answer(
                             write.index,
                             Written::Effect {
@@ -1225,6 +1328,7 @@ enum JobKind {
     Retry,
     Dead,
     Release,
+    SucceedWithChildren,
 }
 
 /// The kinds of effect writes.
@@ -1381,6 +1485,7 @@ fn job_kind(change: &JobChange) -> JobKind {
         JobChange::Retry { .. } => JobKind::Retry,
         JobChange::Dead { .. } => JobKind::Dead,
         JobChange::Release => JobKind::Release,
+        JobChange::SucceedWithChildren { .. } => JobKind::SucceedWithChildren,
     }
 }
 
@@ -1404,6 +1509,58 @@ fn split_unique<T, K: std::hash::Hash + Eq>(
 ) -> (Vec<T>, Vec<T>) {
     let mut seen = HashSet::new();
     items.into_iter().partition(|item| seen.insert(key(item)))
+}
+
+/// The `jobs` effects of a [`JobChange::SucceedWithChildren`] write.
+fn children_of(write: &JobItem) -> impl Iterator<Item = &ChildEffect> {
+    match &write.change {
+        JobChange::SucceedWithChildren { children, .. } => children.iter(),
+        _ => [].iter(),
+    }
+}
+
+/// The ledger keys a one-write finish would take (with `older`, also the
+/// keys of a release before keys were scoped, which it must not meet).
+fn ledger_keys(write: &JobItem, older: bool) -> impl Iterator<Item = String> + '_ {
+    children_of(write).flat_map(move |c| {
+        std::iter::once(c.key.clone()).chain(c.older_key.clone().filter(|_| older))
+    })
+}
+
+/// One-write finishes whose keys no other write of the batch names (nor
+/// they twice), and the rest: one statement cannot tell who took a key
+/// named twice.
+fn keys_used_once(writes: Vec<JobItem>) -> (Vec<JobItem>, Vec<JobItem>) {
+    let mut uses: HashMap<String, usize> = HashMap::new();
+    for write in &writes {
+        for key in ledger_keys(write, true) {
+            *uses.entry(key).or_default() += 1;
+        }
+    }
+    writes
+        .into_iter()
+        .partition(|w| ledger_keys(w, true).all(|k| uses.get(&k) == Some(&1)))
+}
+
+/// The row set of ledger rows born succeeded (as `queries::DONE_COLS`).
+fn done_row_set(writes: &[JobItem]) -> RowSet {
+    let rows: Vec<(&JobItem, &ChildEffect)> = writes
+        .iter()
+        .flat_map(|w| children_of(w).map(move |c| (w, c)))
+        .collect();
+    let plugin = |w: &JobItem| match &w.change {
+        JobChange::SucceedWithChildren { plugin, .. } => plugin.clone(),
+        _ => String::new(),
+    };
+    RowSet::new()
+        .texts(rows.iter().map(|(_, c)| c.key.clone()))
+        .ints(rows.iter().map(|(w, _)| w.fence.id.0))
+        .texts(rows.iter().map(|(w, _)| plugin(w)))
+        .texts(
+            rows.iter()
+                .map(|_| crate::providers::JOBS_PROVIDER.to_string()),
+        )
+        .texts(rows.iter().map(|(_, c)| c.fingerprint.clone()))
 }
 
 /// Ids of dead-letter writes that redact their payload.
@@ -1449,7 +1606,8 @@ fn job_row_set(kind: JobKind, writes: &[JobItem]) -> Result<RowSet> {
         .texts(writes.iter().map(|w| w.fence.worker.clone()))
         .ints(writes.iter().map(|w| i64::from(w.fence.attempt)));
     let hash = |w: &JobItem| match &w.change {
-        JobChange::SavePlan { plugin_hash, .. } => Some(plugin_hash.clone()),
+        JobChange::SavePlan { plugin_hash, .. }
+        | JobChange::SucceedWithChildren { plugin_hash, .. } => Some(plugin_hash.clone()),
         JobChange::Succeed { plugin_hash, .. }
         | JobChange::Retry { plugin_hash, .. }
         | JobChange::Dead { plugin_hash, .. } => plugin_hash.clone(),
@@ -1471,6 +1629,7 @@ fn job_row_set(kind: JobKind, writes: &[JobItem]) -> Result<RowSet> {
             .opt_texts(writes.iter().map(hash))
             .opt_texts(writes.iter().map(|w| match &w.change {
                 JobChange::Succeed { plan, .. } => plan.clone(),
+                JobChange::SucceedWithChildren { plan, .. } => Some(plan.clone()),
                 _ => None,
             })),
         JobKind::Retry => rows
@@ -1495,7 +1654,7 @@ fn job_row_set(kind: JobKind, writes: &[JobItem]) -> Result<RowSet> {
             .opt_texts(writes.iter().map(|w| part(w, 0)))
             .opt_texts(writes.iter().map(|w| part(w, 1)))
             .opt_texts(writes.iter().map(|w| part(w, 2))),
-        JobKind::Release => rows,
+        JobKind::Release | JobKind::SucceedWithChildren => rows,
     })
 }
 

@@ -744,3 +744,162 @@ pub async fn effect_claim_fenced_by_the_job_lease(store: Arc<dyn Store>) {
     );
     assert!(store.effect_get("k2").await.unwrap().is_none());
 }
+
+/// A `jobs` effect of a one-write finish.
+fn child_effect(key: &str, older_key: Option<&str>) -> idem::store::ChildEffect {
+    idem::store::ChildEffect {
+        key: key.into(),
+        older_key: older_key.map(str::to_string),
+        fingerprint: format!("fp-{key}"),
+        child: child(key),
+    }
+}
+
+fn finish_with(children: Vec<idem::store::ChildEffect>) -> JobChange {
+    JobChange::SucceedWithChildren {
+        plugin: "order_sync".into(),
+        plan: r#"[{"children":true}]"#.into(),
+        plugin_hash: "h-children".into(),
+        children,
+    }
+}
+
+fn finished(written: &Written) -> Vec<Enqueued> {
+    match written {
+        Written::Children(idem::store::ChildrenWritten::Applied(children)) => children.clone(),
+        other => panic!("expected the job finished with its children, got {other:?}"),
+    }
+}
+
+pub async fn children_finish_with_their_job_in_one_write(store: Arc<dyn Store>) {
+    use idem::store::ChildrenWritten::{FencedOut, KeysTaken};
+    let inserted = store
+        .job_insert_many((0..6).map(|_| job("order_sync")).collect())
+        .await
+        .unwrap();
+    assert_eq!(inserted.len(), 6);
+    let jobs = store.job_claim(claim_params("w", 6, LONG)).await.unwrap();
+    assert_eq!(jobs.len(), 6);
+    // Keys in the ledger already: one under its scoped key, one under the
+    // key a release before scoping used.
+    claimed(&store, claim(&store, "order_sync/taken", "h", LONG).await).await;
+    claimed(&store, claim(&store, "legacy", "h", LONG).await).await;
+
+    let writes = vec![
+        // Two children: both ledger rows and both jobs, with the success.
+        Write::Job {
+            fence: jobs[0].fence(),
+            change: finish_with(vec![
+                child_effect("order_sync/a1", Some("a1")),
+                child_effect("order_sync/a2", Some("a2")),
+            ]),
+        },
+        // A stale holder: nothing.
+        Write::Job {
+            fence: other_worker(&jobs[1].fence(), "stale"),
+            change: finish_with(vec![child_effect("order_sync/b1", None)]),
+        },
+        // A key in the ledger already: nothing (the plan goes the long way).
+        Write::Job {
+            fence: jobs[2].fence(),
+            change: finish_with(vec![
+                child_effect("order_sync/c1", None),
+                child_effect("order_sync/taken", None),
+            ]),
+        },
+        // The same key in two writes of one batch: neither.
+        Write::Job {
+            fence: jobs[3].fence(),
+            change: finish_with(vec![child_effect("order_sync/twice", None)]),
+        },
+        Write::Job {
+            fence: jobs[4].fence(),
+            change: finish_with(vec![child_effect("order_sync/twice", None)]),
+        },
+        // Its older, unscoped key is in the ledger: nothing.
+        Write::Job {
+            fence: jobs[5].fence(),
+            change: finish_with(vec![child_effect("order_sync/legacy", Some("legacy"))]),
+        },
+    ];
+    let answers = store.write_batch(writes).await.unwrap();
+    assert_eq!(answers.len(), 6);
+    let enqueued = finished(&answers[0]);
+    assert_eq!(enqueued.len(), 2);
+    assert!(enqueued.iter().all(|e| e.inserted));
+    assert_eq!(answers[1], Written::Children(FencedOut));
+    for taken in &answers[2..] {
+        assert_eq!(*taken, Written::Children(KeysTaken), "{answers:?}");
+    }
+
+    let done = get(&store, jobs[0].id).await;
+    assert_eq!(done.state, JobState::Succeeded);
+    assert_eq!(done.plan.as_deref(), Some(r#"[{"children":true}]"#));
+    assert_eq!(done.plugin_hash.as_deref(), Some("h-children"));
+    for (key, child) in ["order_sync/a1", "order_sync/a2"].iter().zip(&enqueued) {
+        let row = store.effect_get(key).await.unwrap().expect("ledger row");
+        assert_eq!(row.status, EffectStatus::Succeeded);
+        assert_eq!(row.job_id, jobs[0].id);
+        assert_eq!(row.plugin, "order_sync");
+        assert_eq!(row.provider, "jobs");
+        assert_eq!(row.fingerprint, format!("fp-{key}"));
+        assert_eq!(row.result_ref, Some(child.id.to_string()));
+        let child_job = get(&store, child.id).await;
+        assert_eq!(child_job.idempotency_key.as_deref(), Some(*key));
+        assert_eq!(child_job.queue, "billing");
+        assert_eq!(child_job.state, JobState::Available);
+    }
+    // Nothing of the refused writes stayed behind: no rows, no children,
+    // the jobs still running without a plan.
+    for key in [
+        "order_sync/b1",
+        "order_sync/c1",
+        "order_sync/twice",
+        "order_sync/legacy",
+    ] {
+        assert!(store.effect_get(key).await.unwrap().is_none(), "{key}");
+    }
+    assert_eq!(
+        store
+            .effect_get("order_sync/taken")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        EffectStatus::Processing
+    );
+    assert_eq!(children(&store).await.len(), 2);
+    for job in &jobs[1..] {
+        let job = get(&store, job.id).await;
+        assert_eq!(job.state, JobState::Running);
+        assert_eq!(job.plan, None);
+    }
+
+    // The same write again (a duplicate delivery of the answer): its keys
+    // are in the ledger now, so it writes nothing.
+    let again = store
+        .write(Write::Job {
+            fence: jobs[0].fence(),
+            change: finish_with(vec![child_effect("order_sync/a1", None)]),
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, Written::Children(KeysTaken));
+    assert_eq!(children(&store).await.len(), 2);
+
+    // A child the store would refuse refuses the write before anything runs.
+    let refused = store
+        .write(Write::Job {
+            fence: jobs[2].fence(),
+            change: finish_with(vec![idem::store::ChildEffect {
+                child: NewJob {
+                    idempotency_key: Some("order_sync/other".into()),
+                    ..child("order_sync/bad")
+                },
+                ..child_effect("order_sync/bad", None)
+            }]),
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, StoreError::Invalid(_)), "{refused:?}");
+}

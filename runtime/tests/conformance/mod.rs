@@ -127,6 +127,7 @@ macro_rules! conformance_suite {
             effects::effect_prune_keeps_recent_and_in_flight_rows,
             effects::effect_in_doubt_after_an_ambiguous_try,
             effects::effect_claim_fenced_by_the_job_lease,
+            effects::children_finish_with_their_job_in_one_write,
             batch::batch_answers_each_write_in_order_some_fenced_out,
             batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
             statements::statement_commits_with_its_ledger_row,
