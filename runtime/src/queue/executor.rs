@@ -17,8 +17,8 @@ use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::store::{
     ChildEffect, ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence,
-    EffectStatus, EffectSucceedParams, Enqueued, Fence, Job, NewJob, Sent, StatementCall,
-    StatementOutcome, StatementParams, Store, StoreError, retry_transient,
+    EffectStatus, EffectSucceedParams, Fence, Job, NewJob, Sent, StatementCall, StatementOutcome,
+    StatementParams, Store, StoreError, retry_transient,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -489,15 +489,6 @@ impl Executor {
                 })
             })
             .collect()
-    }
-
-    /// Counts the children a one-write finish enqueued.
-    pub fn children_enqueued(&self, children: &[Enqueued]) {
-        for child in children {
-            tracing::info!(child_job = %child.id, inserted = child.inserted, "child job enqueued");
-            WorkerStats::bump(&self.stats.effects_executed);
-            metrics::effect(JOBS_PROVIDER, "executed");
-        }
     }
 
     async fn enqueue_child(

@@ -6,17 +6,18 @@ use super::backoff::Backoff;
 use super::stats::WorkerStats;
 use crate::failure::{Code, Failure};
 use crate::metrics;
-use crate::store::{ErrorRecord, Fence, Job, JobChange, Store, StoreError, Write, Written};
+use crate::store::{
+    ChildEffect, ChildrenWritten, ErrorRecord, Fence, Job, JobChange, Store, StoreError, Write,
+    Written,
+};
 use std::time::Duration;
 
 /// How an attempt ended.
 #[derive(Debug)]
 pub enum Attempt {
-    /// Plan executed.
+    /// Plan executed (or, with [`Version::children`], to be carried out
+    /// by the write that records the success).
     Succeeded,
-    /// Plan executed and the success written with it, in one write (a
-    /// plan made only of child jobs): nothing is left to record.
-    Finished,
     /// A classified failure.
     Failed(Failure),
     /// Try again later without using an attempt.
@@ -30,6 +31,19 @@ pub enum Attempt {
     Interrupted,
     /// The lease was lost to another attempt: nothing to record.
     LeaseLost,
+}
+
+impl Attempt {
+    /// The name in metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Attempt::Succeeded => "succeeded",
+            Attempt::Failed(_) => "failed",
+            Attempt::Deferred { .. } => "deferred",
+            Attempt::Interrupted => "interrupted",
+            Attempt::LeaseLost => "lease_lost",
+        }
+    }
 }
 
 /// Why a job waits without using an attempt: none of these is the job's
@@ -81,6 +95,9 @@ pub enum Recorded {
     Released,
     /// Nothing (the lease was lost before).
     Nothing,
+    /// Nothing: a key of the plan of child jobs was used before, so the
+    /// plan must be carried out effect by effect.
+    KeysTaken,
 }
 
 /// The write that records `attempt` for `job`: succeeded; retrying with
@@ -94,21 +111,26 @@ pub fn decide(
     policy: Policy,
     version: Version,
 ) -> Option<(Write, Recorded)> {
-    let Version { plugin_hash, plan } = version;
+    let Version {
+        plugin_hash,
+        plan,
+        children,
+    } = version;
     let (change, recorded) = match attempt {
         Attempt::LeaseLost => return None,
-        Attempt::Finished => {
-            metrics::job_attempts(&job.plugin, job.attempt);
-            metrics::attempt_outcome(&job.plugin, job.attempt, "succeeded");
-            return None;
-        }
         Attempt::Succeeded => {
             metrics::job_attempts(&job.plugin, job.attempt);
             metrics::attempt_outcome(&job.plugin, job.attempt, "succeeded");
-            (
-                JobChange::Succeed { plugin_hash, plan },
-                Recorded::Succeeded,
-            )
+            let change = match (children, plan, plugin_hash) {
+                (Some(children), Some(plan), Some(plugin_hash)) => JobChange::SucceedWithChildren {
+                    plugin: job.plugin.clone(),
+                    plan,
+                    plugin_hash,
+                    children,
+                },
+                (_, plan, plugin_hash) => JobChange::Succeed { plugin_hash, plan },
+            };
+            (change, Recorded::Succeeded)
         }
         Attempt::Interrupted => {
             tracing::info!("lease given back at shutdown");
@@ -127,7 +149,11 @@ pub fn decide(
                 job,
                 Attempt::Failed(failure),
                 policy,
-                Version { plugin_hash, plan },
+                Version {
+                    plugin_hash,
+                    plan,
+                    children: None,
+                },
             );
         }
         Attempt::Deferred { delay, reason } => {
@@ -207,8 +233,12 @@ fn deferred_too_long(job: &Job, limit: Duration) -> bool {
 pub struct Version {
     /// The plugin's content hash.
     pub plugin_hash: Option<String>,
-    /// A plan without effects (stored with the success).
+    /// A plan stored with the success: one without effects, or one made
+    /// only of child jobs (with `children`).
     pub plan: Option<String>,
+    /// The plan's child jobs, enqueued by the write that records the
+    /// success (see [`JobChange::SucceedWithChildren`]).
+    pub children: Option<Vec<ChildEffect>>,
 }
 
 /// Records `attempt` for `job` (see [`decide`]) and counts it.
@@ -220,23 +250,30 @@ pub async fn record(
     policy: Policy,
     version: Version,
 ) -> Result<Recorded, StoreError> {
-    let finished = matches!(attempt, Attempt::Finished);
     let Some((write, recorded)) = decide(job, attempt, policy, version) else {
-        if finished {
-            WorkerStats::bump(&stats.succeeded);
-            return Ok(Recorded::Succeeded);
-        }
         return Ok(Recorded::Nothing);
     };
     let written = crate::store::retry_transient(|| store.write(write.clone())).await?;
     match written {
+        Written::Children(ChildrenWritten::KeysTaken) => Ok(Recorded::KeysTaken),
+        Written::Children(ChildrenWritten::Applied(children)) => {
+            for child in children {
+                tracing::info!(child_job = %child.id, inserted = child.inserted, "child job enqueued");
+                WorkerStats::bump(&stats.effects_executed);
+                metrics::effect(crate::providers::JOBS_PROVIDER, "executed");
+            }
+            WorkerStats::bump(&stats.succeeded);
+            Ok(recorded)
+        }
         Written::Job(Fence::Applied) => {
             let counter = match recorded {
                 Recorded::Succeeded => &stats.succeeded,
                 Recorded::Deferred => &stats.deferred,
                 Recorded::Dead => &stats.dead,
                 Recorded::Retried => &stats.retried,
-                Recorded::Released | Recorded::Nothing => return Ok(recorded),
+                Recorded::Released | Recorded::Nothing | Recorded::KeysTaken => {
+                    return Ok(recorded);
+                }
             };
             WorkerStats::bump(counter);
             Ok(recorded)

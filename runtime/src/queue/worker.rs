@@ -7,7 +7,7 @@ use super::executor::{Executor, PlanOutcome};
 use super::fetcher::{self, Claimed, FetchSettings};
 use super::lease::LeaseKeeper;
 use super::maintenance;
-use super::outcome::{self, Attempt, DeferReason, Policy, Version};
+use super::outcome::{self, Attempt, DeferReason, Policy, Recorded, Version};
 use super::stats::{StatsSnapshot, WorkerStats};
 use crate::config::{Config, RetentionConfig};
 use crate::effects::Effect;
@@ -18,9 +18,7 @@ use crate::plugins::{LoadedPlugin, PluginRegistry};
 use crate::providers::Providers;
 use crate::sandbox::{JobInput, RunError};
 use crate::store::group_commit::{GroupCommit, GroupCommitSettings};
-use crate::store::{
-    ChildrenWritten, Fence, Job, JobChange, JobFence, SavePlanParams, Store, StoreError,
-};
+use crate::store::{Fence, Job, JobFence, SavePlanParams, Store, StoreError};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -462,27 +460,87 @@ impl Worker {
                 return None;
             }
         };
-        let label = match &attempt {
-            Attempt::Succeeded | Attempt::Finished => "succeeded",
-            Attempt::Failed(_) => "failed",
-            Attempt::Deferred { .. } => "deferred",
-            Attempt::Interrupted => "interrupted",
-            Attempt::LeaseLost => "lease_lost",
-        };
+        let label = attempt.label();
         let policy = Policy {
             backoff,
             redact_dead_payloads: self.settings.redact_dead_payloads,
             max_deferral: self.settings.max_deferral,
         };
-        let (store, stats) = (self.store.clone(), self.stats.clone());
+        // A plan of child jobs whose keys were used before is carried out
+        // effect by effect after all.
+        let long_way = match (&version.children, &version.plan, &version.plugin_hash) {
+            (Some(_), Some(plan), Some(hash)) => Some((plan.clone(), hash.clone())),
+            _ => None,
+        };
+        let me = self.clone();
         Some(async move {
-            if let Err(error) =
-                outcome::record(&*store, &stats, &job, attempt, policy, version).await
-            {
-                tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+            let mut label = label;
+            match outcome::record(&*me.store, &me.stats, &job, attempt, policy, version).await {
+                Ok(Recorded::KeysTaken) => {
+                    if let Some((plan, hash)) = long_way {
+                        label = me.the_long_way(&job, plan, hash, policy, &stop).await;
+                    }
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+                }
             }
             metrics::job_finished(&job.plugin, label, started.elapsed());
         })
+    }
+
+    /// Carries out a fresh plan of child jobs effect by effect, once its
+    /// one-write finish found a key used before: the plan is stored, each
+    /// effect goes through the ledger (a key done before is skipped), and
+    /// the outcome is recorded. Returns the outcome's label.
+    async fn the_long_way(
+        &self,
+        job: &Job,
+        plan: String,
+        plugin_hash: String,
+        policy: Policy,
+        stop: &CancellationToken,
+    ) -> &'static str {
+        let attempt = async {
+            let effects: Vec<Effect> = serde_json::from_str(&plan)
+                .map_err(|e| StoreError::Invalid(format!("cannot read the plan back: {e}")))?;
+            let saved = self
+                .store
+                .job_save_plan(SavePlanParams {
+                    fence: job.fence(),
+                    plan,
+                    plugin_hash,
+                })
+                .await?;
+            if saved == Fence::FencedOut {
+                return Ok(Attempt::LeaseLost);
+            }
+            failpoint::hit(Failpoint::AfterPlanStored).await?;
+            attempt_of(self.executor.execute(job, &effects, stop).await)
+        }
+        .await;
+        let attempt = match attempt {
+            Ok(attempt) => attempt,
+            Err(error) => {
+                tracing::error!(%error, "store failed during the job; its lease will expire and it will be redelivered");
+                return "store_failed";
+            }
+        };
+        let label = attempt.label();
+        if let Err(error) = outcome::record(
+            &*self.store,
+            &self.stats,
+            job,
+            attempt,
+            policy,
+            Version::default(),
+        )
+        .await
+        {
+            tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+        }
+        label
     }
 
     /// The plugin's lease, never shorter than twice its deadline, so a
@@ -552,7 +610,7 @@ impl Worker {
                 };
                 let ran = Version {
                     plugin_hash: Some(plugin.hash().0.clone()),
-                    plan: None,
+                    ..Version::default()
                 };
                 let call = tokio::select! {
                     call = self.call_plugin(job, &plugin) => call,
@@ -616,27 +674,16 @@ impl Worker {
                 let json = serde_json::to_string(&plan)
                     .map_err(|e| StoreError::Invalid(format!("cannot encode the plan: {e}")))?;
                 if let Some(children) = self.executor.children_only(job, &plan) {
-                    let change = JobChange::SucceedWithChildren {
-                        plugin: job.plugin.clone(),
-                        plan: json.clone(),
-                        plugin_hash: plugin.hash().0.clone(),
-                        children,
-                    };
-                    match self
-                        .store
-                        .job_succeed_with_children(fence.clone(), change)
-                        .await?
-                    {
-                        ChildrenWritten::Applied(children) => {
-                            self.executor.children_enqueued(&children);
-                            return Ok((Attempt::Finished, Version::default()));
-                        }
-                        ChildrenWritten::FencedOut => {
-                            return Ok((Attempt::LeaseLost, Version::default()));
-                        }
-                        // A key was used before: effect by effect, below.
-                        ChildrenWritten::KeysTaken => {}
-                    }
+                    // No provider to call: the success write carries the
+                    // plan out (or says it must go the long way).
+                    return Ok((
+                        Attempt::Succeeded,
+                        Version {
+                            plan: Some(json),
+                            children: Some(children),
+                            ..ran
+                        },
+                    ));
                 }
                 let saved = self
                     .store
@@ -655,14 +702,7 @@ impl Worker {
                 plan
             }
         };
-        let attempt = match self.executor.execute(job, &plan, abort).await {
-            PlanOutcome::Done | PlanOutcome::Skipped => Attempt::Succeeded,
-            PlanOutcome::Failed(failure) => Attempt::Failed(failure),
-            PlanOutcome::Deferred { delay, reason } => Attempt::Deferred { delay, reason },
-            PlanOutcome::Store(error) => return Err(error),
-            PlanOutcome::Aborted => Attempt::Interrupted,
-            PlanOutcome::LeaseLost => Attempt::LeaseLost,
-        };
+        let attempt = attempt_of(self.executor.execute(job, &plan, abort).await)?;
         Ok((attempt, Version::default()))
     }
 
@@ -693,4 +733,16 @@ impl Worker {
                 )))
             })
     }
+}
+
+/// The attempt a plan's execution makes.
+fn attempt_of(outcome: PlanOutcome) -> Result<Attempt, StoreError> {
+    Ok(match outcome {
+        PlanOutcome::Done | PlanOutcome::Skipped => Attempt::Succeeded,
+        PlanOutcome::Failed(failure) => Attempt::Failed(failure),
+        PlanOutcome::Deferred { delay, reason } => Attempt::Deferred { delay, reason },
+        PlanOutcome::Store(error) => return Err(error),
+        PlanOutcome::Aborted => Attempt::Interrupted,
+        PlanOutcome::LeaseLost => Attempt::LeaseLost,
+    })
 }

