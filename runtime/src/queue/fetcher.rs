@@ -1,19 +1,26 @@
-//! Claim ahead: one fetcher per queue keeps a small buffer of claimed jobs
-//! and refills it in batches, so handlers never wait for a claim and a claim
+//! Claim ahead: one fetcher per queue keeps a buffer of claimed jobs and
+//! refills it in batches, so handlers never wait for a claim and a claim
 //! is one statement for many jobs.
 //!
-//! The buffer is bounded by slots: a job holds a slot from its claim until
-//! it is finished, so at most `concurrency + prefetch` jobs are held at once
-//! and a job waits in the buffer for at most about one job's run time. The
-//! lease keeper holds every claimed job from the moment of its claim, so a
-//! buffered job's lease is extended like a running one's.
+//! How far ahead follows the queue's pace: about [`AHEAD`] of the jobs its
+//! handlers finish, at least `prefetch` (at most the concurrency: a slow
+//! queue holds no more than one round of jobs ahead, as other nodes could
+//! run them) and at most `max_prefetch`. The buffer is refilled when half of
+//! it is used, so the handlers still have work while the claim is in flight.
+//! A job holds a slot from its claim until it is finished, so at most
+//! `concurrency + max_prefetch` jobs are held at once. The lease keeper
+//! holds every claimed job from the moment of its claim, so a buffered
+//! job's lease is extended like a running one's.
 
 use super::lease::LeaseKeeper;
 use crate::store::{ClaimParams, Job, Store};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
+
+/// How much of a fast queue's work is claimed ahead of its handlers.
+pub const AHEAD: Duration = Duration::from_millis(50);
 
 /// A claimed job with the slot it holds until it is finished.
 pub struct Claimed {
@@ -33,11 +40,12 @@ pub struct FetchSettings {
     pub queue: String,
     /// This worker's id; each claim's lease owner is `id#n`.
     pub worker: String,
-    /// Jobs held at once: running plus buffered.
-    pub slots: usize,
-    /// Jobs run at once (the handlers); `slots - concurrency` is the
-    /// prefetch.
+    /// Jobs run at once (the handlers).
     pub concurrency: usize,
+    /// Jobs held ahead of the handlers while the queue runs slowly.
+    pub prefetch: usize,
+    /// Most jobs held ahead of the handlers when it runs fast.
+    pub max_prefetch: usize,
     /// Most jobs per claim statement.
     pub max_claim: usize,
     /// Lease of a claim.
@@ -46,6 +54,50 @@ pub struct FetchSettings {
     pub queue_limit: Option<u32>,
     /// Look for jobs at least this often without a notification.
     pub poll_interval: Duration,
+}
+
+/// The queue's pace: jobs claimed per second, smoothed, and the buffer it
+/// calls for.
+///
+/// ```
+/// use idem::queue::fetcher::Pace;
+/// use std::time::Duration;
+/// let mut pace = Pace::new(8, 512);
+/// assert_eq!(pace.ahead(), 8);
+/// for _ in 0..20 {
+///     pace.observe(100, Duration::from_millis(5)); // 20,000 jobs/s
+/// }
+/// assert_eq!(pace.ahead(), 512);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Pace {
+    per_second: f64,
+    floor: usize,
+    ceiling: usize,
+}
+
+impl Pace {
+    /// A pace that starts slow: `floor` ahead, at most `ceiling`.
+    pub fn new(floor: usize, ceiling: usize) -> Self {
+        Pace {
+            per_second: 0.0,
+            floor,
+            ceiling: ceiling.max(floor),
+        }
+    }
+
+    /// `jobs` claimed `since` the claim before.
+    pub fn observe(&mut self, jobs: usize, since: Duration) {
+        let seconds = since.as_secs_f64().max(1e-4);
+        let sample = jobs as f64 / seconds;
+        self.per_second = 0.7 * self.per_second + 0.3 * sample;
+    }
+
+    /// Jobs to hold ahead of the handlers.
+    pub fn ahead(&self) -> usize {
+        let wanted = (self.per_second * AHEAD.as_secs_f64()) as usize;
+        wanted.clamp(self.floor, self.ceiling)
+    }
 }
 
 /// Claims jobs into `buffer` until `stop`; returns when stopped (the
@@ -59,23 +111,45 @@ pub async fn run(
     stop: CancellationToken,
     abort: CancellationToken,
 ) {
-    let slots = Arc::new(Semaphore::new(settings.slots.max(1)));
-    let worth = claim_threshold(&settings);
+    let floor = settings.prefetch.max(1);
+    let ceiling = settings.max_prefetch.max(floor);
+    let total = settings.concurrency + ceiling;
+    let slots = Arc::new(Semaphore::new(total));
+    let max_claim = settings.max_claim.max(1);
+    let mut pace = Pace::new(floor, ceiling);
+    let mut last_claim = Instant::now();
     let mut claims = 0u64;
     let mut errors = 0u32;
     loop {
-        // Wait until a claim is worth a statement: as many slots free as
-        // the prefetch (the handlers are then still busy, so none waits),
-        // and a busy queue claims many jobs per statement instead of one
-        // per finished job.
+        // Claim once half of the wanted buffer is used: the other half keeps
+        // the handlers busy while the claim runs, and a busy queue claims
+        // many jobs per statement instead of one per finished job.
+        let ahead = pace.ahead();
+        let half = ahead.div_ceil(2);
+        let need = total - (settings.concurrency + ahead - half);
         let mut batch = tokio::select! {
             _ = stop.cancelled() => return,
-            permits = slots.clone().acquire_many_owned(worth) => match permits {
+            permits = slots.clone().acquire_many_owned(u32::try_from(need).unwrap_or(u32::MAX)) => match permits {
                 Ok(permits) => permits,
                 Err(_) => return,
             },
         };
-        let mut permits = Vec::with_capacity(settings.max_claim.max(1));
+        // Held now: at most `concurrency + ahead - half`; fill up to
+        // `concurrency + ahead`.
+        let free = need + slots.available_permits();
+        let want = (free + ahead).saturating_sub(ceiling).clamp(1, max_claim);
+        if want > need {
+            if let Ok(more) = slots
+                .clone()
+                .try_acquire_many_owned(u32::try_from(want - need).unwrap_or(0))
+            {
+                batch.merge(more);
+            }
+        } else if let Some(kept) = batch.split(want) {
+            // The slots not claimed for go back at once.
+            batch = kept;
+        }
+        let mut permits = Vec::with_capacity(batch.num_permits());
         while batch.num_permits() > 1 {
             if let Some(one) = batch.split(1) {
                 permits.push(one);
@@ -111,6 +185,8 @@ pub async fn run(
             }
         };
         let got = jobs.len();
+        pace.observe(got, last_claim.elapsed());
+        last_claim = Instant::now();
         for (job, slot) in jobs.into_iter().zip(permits.drain(..)) {
             let job_stop = abort.child_token();
             keeper.hold(&job, settings.lease, job_stop.clone());
@@ -137,13 +213,4 @@ pub async fn run(
             }
         }
     }
-}
-
-/// Free slots that make a claim worth its statement: the prefetch (at least
-/// one, at most a claim's size). Claiming only then never starves a
-/// handler, since the jobs still held keep every handler busy.
-fn claim_threshold(settings: &FetchSettings) -> u32 {
-    let prefetch = settings.slots.saturating_sub(settings.concurrency);
-    let worth = prefetch.clamp(1, settings.max_claim.max(1));
-    u32::try_from(worth).unwrap_or(1)
 }

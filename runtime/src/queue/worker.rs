@@ -54,10 +54,11 @@ pub struct WorkerSettings {
     pub retention: RetentionConfig,
     /// Exit once nothing is runnable, running or retrying.
     pub exit_when_drained: bool,
-    /// Jobs claimed ahead per queue, beyond its concurrency (at most the
-    /// concurrency).
+    /// Jobs claimed ahead per queue, beyond its concurrency, when the queue
+    /// runs slowly (at most the concurrency); a fast queue claims further
+    /// ahead, up to `max_claim` (see [`fetcher`]).
     pub prefetch: usize,
-    /// Most jobs per claim statement.
+    /// Most jobs per claim statement, and most jobs claimed ahead.
     pub max_claim: usize,
     /// How writes are grouped into transactions.
     pub group_commit: GroupCommitSettings,
@@ -239,15 +240,19 @@ impl Worker {
         let mut handlers = JoinSet::new();
         for (queue, concurrency) in &self.settings.queues {
             let concurrency = *concurrency as usize;
+            // A slow queue holds at most its concurrency ahead; a fast one
+            // up to a claim's size (the fetcher follows the queue's pace).
             let prefetch = self.settings.prefetch.min(concurrency.max(1));
-            let (sender, buffer) = tokio::sync::mpsc::channel(concurrency + prefetch);
+            let max_prefetch = self.settings.max_claim.max(prefetch);
+            let (sender, buffer) = tokio::sync::mpsc::channel(concurrency + max_prefetch);
             fetchers.spawn(fetcher::run(
                 self.store.clone(),
                 FetchSettings {
                     queue: queue.clone(),
                     worker: self.settings.id.clone(),
-                    slots: concurrency + prefetch,
                     concurrency,
+                    prefetch,
+                    max_prefetch,
                     max_claim: self.settings.max_claim,
                     lease: self.settings.lease,
                     queue_limit: self.settings.queue_limits.get(queue).copied(),
