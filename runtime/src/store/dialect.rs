@@ -202,6 +202,12 @@ pub(crate) trait WritePool {
     type Db: sqlx::Database;
     /// Begins a write transaction.
     async fn begin_write(&self) -> Result<sqlx::Transaction<'static, Self::Db>>;
+    /// Begins a write transaction whose commit need not wait until it is
+    /// durable: for claims only. A claim lost in a database crash is an
+    /// attempt lost, which every step after it already survives, and any
+    /// later durable commit (a plan, a ledger claim, a finish) makes it
+    /// durable first.
+    async fn begin_claim(&self) -> Result<sqlx::Transaction<'static, Self::Db>>;
 }
 
 /// The hooks of one database, implemented on its connection type.

@@ -39,6 +39,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     2 => "0002_effect_retention.sql",
     3 => "0003_clock.sql",
     4 => "0004_unknown_outcomes.sql",
+    5 => "0005_notify_per_statement.sql",
 );
 
 impl Embedded {

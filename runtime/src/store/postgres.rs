@@ -236,6 +236,13 @@ impl WritePool for PgPool {
     async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
         Ok(self.begin().await?)
     }
+
+    async fn begin_claim(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+        // One round trip: the simple-query protocol runs both statements.
+        Ok(self
+            .begin_with("BEGIN; SET LOCAL synchronous_commit = off")
+            .await?)
+    }
 }
 
 fn bind_columns<Q>(mut query: Q, rows: RowSet, bind: impl Fn(Q, Column) -> Q) -> Q {

@@ -427,7 +427,7 @@ impl Store for SqlStore {
             return Ok(Vec::new());
         }
         let mut jobs: Vec<Job> = with_db!(self, |_read, write| {
-            let mut tx = write.begin_write().await?;
+            let mut tx = write.begin_claim().await?;
             let mut limit = i64::from(params.limit);
             if let Some(max) = params.queue_concurrency {
                 // Claimers of this queue take turns here, so the count sees

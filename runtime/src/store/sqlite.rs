@@ -175,6 +175,12 @@ impl WritePool for SqlitePool {
     async fn begin_write(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
         Ok(self.begin_with("BEGIN IMMEDIATE").await?)
     }
+
+    async fn begin_claim(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
+        // Durability is the connection's setting in WAL mode, not the
+        // transaction's: changing it per claim would cost two statements.
+        self.begin_write().await
+    }
 }
 
 impl<'q> BindRows for sqlx::query::Query<'q, sqlx::Sqlite, SqliteArguments<'q>> {
