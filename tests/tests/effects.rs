@@ -1056,6 +1056,7 @@ async fn a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_don
     assert_eq!(stats.plugin_calls, 2);
     assert_eq!(stats.effects_executed, 2);
     assert_eq!(stats.idempotency_hits, 0);
+    assert_eq!(stats.finished_in_one_write, 2, "{stats:?}");
     let parent = h.store.job_get(first).await.unwrap().unwrap();
     assert_eq!(parent.state, JobState::Succeeded);
     assert!(
@@ -1096,6 +1097,7 @@ async fn a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_don
     assert_eq!(stats.succeeded, 1);
     assert_eq!(stats.idempotency_hits, 1, "{stats:?}");
     assert_eq!(stats.effects_executed, 0);
+    assert_eq!(stats.finished_in_one_write, 0, "it went the long way");
     assert_eq!(
         h.store.job_get(again).await.unwrap().unwrap().state,
         JobState::Succeeded

@@ -56,8 +56,9 @@ pub struct FetchSettings {
     pub poll_interval: Duration,
 }
 
-/// The queue's pace: jobs claimed per second, smoothed, and the buffer it
-/// calls for.
+/// The queue's pace: jobs its handlers finish per second, smoothed, and
+/// the buffer it calls for. The buffer grows at most twofold per claim
+/// and shrinks at once, so a burst of fast claims cannot hoard a backlog.
 ///
 /// ```
 /// use idem::queue::fetcher::Pace;
@@ -65,38 +66,60 @@ pub struct FetchSettings {
 /// let mut pace = Pace::new(8, 512);
 /// assert_eq!(pace.ahead(), 8);
 /// for _ in 0..20 {
-///     pace.observe(100, Duration::from_millis(5)); // 20,000 jobs/s
+///     pace.finished(200, Duration::from_millis(10)); // 20,000 jobs/s
+///     pace.ahead();
 /// }
 /// assert_eq!(pace.ahead(), 512);
+/// for _ in 0..20 {
+///     pace.finished(1, Duration::from_secs(1)); // one job a second
+/// }
+/// assert_eq!(pace.ahead(), 8);
 /// ```
 #[derive(Debug, Clone)]
 pub struct Pace {
     per_second: f64,
+    current: usize,
     floor: usize,
     ceiling: usize,
+    window_jobs: usize,
+    window: Duration,
 }
+
+/// The shortest span a pace sample is taken over.
+const SAMPLE_SPAN: Duration = Duration::from_millis(10);
 
 impl Pace {
     /// A pace that starts slow: `floor` ahead, at most `ceiling`.
     pub fn new(floor: usize, ceiling: usize) -> Self {
         Pace {
             per_second: 0.0,
+            current: floor,
             floor,
             ceiling: ceiling.max(floor),
+            window_jobs: 0,
+            window: Duration::ZERO,
         }
     }
 
-    /// `jobs` claimed `since` the claim before.
-    pub fn observe(&mut self, jobs: usize, since: Duration) {
-        let seconds = since.as_secs_f64().max(1e-4);
-        let sample = jobs as f64 / seconds;
-        self.per_second = 0.7 * self.per_second + 0.3 * sample;
+    /// The handlers finished `jobs` (gave their slots back) `over` this span.
+    pub fn finished(&mut self, jobs: usize, over: Duration) {
+        self.window_jobs += jobs;
+        self.window += over;
+        if self.window >= SAMPLE_SPAN {
+            let sample = self.window_jobs as f64 / self.window.as_secs_f64();
+            self.per_second = 0.7 * self.per_second + 0.3 * sample;
+            self.window_jobs = 0;
+            self.window = Duration::ZERO;
+        }
     }
 
-    /// Jobs to hold ahead of the handlers.
-    pub fn ahead(&self) -> usize {
+    /// Jobs to hold ahead of the handlers for the next claim.
+    pub fn ahead(&mut self) -> usize {
         let wanted = (self.per_second * AHEAD.as_secs_f64()) as usize;
-        wanted.clamp(self.floor, self.ceiling)
+        self.current = wanted
+            .min(self.current.max(1).saturating_mul(2))
+            .clamp(self.floor, self.ceiling);
+        self.current
     }
 }
 
@@ -111,13 +134,15 @@ pub async fn run(
     stop: CancellationToken,
     abort: CancellationToken,
 ) {
-    let floor = settings.prefetch.max(1);
+    let floor = settings.prefetch;
     let ceiling = settings.max_prefetch.max(floor);
     let total = settings.concurrency + ceiling;
     let slots = Arc::new(Semaphore::new(total));
     let max_claim = settings.max_claim.max(1);
     let mut pace = Pace::new(floor, ceiling);
-    let mut last_claim = Instant::now();
+    // Jobs held after the last claim, and when: the slots given back since
+    // are the jobs the handlers finished.
+    let (mut held_after_claim, mut claimed_at) = (0usize, Instant::now());
     let mut claims = 0u64;
     let mut errors = 0u32;
     loop {
@@ -125,7 +150,7 @@ pub async fn run(
         // the handlers busy while the claim runs, and a busy queue claims
         // many jobs per statement instead of one per finished job.
         let ahead = pace.ahead();
-        let half = ahead.div_ceil(2);
+        let half = ahead.div_ceil(2).max(1);
         let need = total - (settings.concurrency + ahead - half);
         let mut batch = tokio::select! {
             _ = stop.cancelled() => return,
@@ -137,6 +162,8 @@ pub async fn run(
         // Held now: at most `concurrency + ahead - half`; fill up to
         // `concurrency + ahead`.
         let free = need + slots.available_permits();
+        let held = total - free;
+        pace.finished(held_after_claim.saturating_sub(held), claimed_at.elapsed());
         let want = (free + ahead).saturating_sub(ceiling).clamp(1, max_claim);
         if want > need {
             if let Ok(more) = slots
@@ -185,8 +212,6 @@ pub async fn run(
             }
         };
         let got = jobs.len();
-        pace.observe(got, last_claim.elapsed());
-        last_claim = Instant::now();
         for (job, slot) in jobs.into_iter().zip(permits.drain(..)) {
             let job_stop = abort.child_token();
             keeper.hold(&job, settings.lease, job_stop.clone());
@@ -205,6 +230,8 @@ pub async fn run(
             }
         }
         drop(permits);
+        held_after_claim = total - slots.available_permits();
+        claimed_at = Instant::now();
         if got < asked {
             // The queue is empty for now: wait for a wake-up or the poll.
             tokio::select! {

@@ -119,8 +119,8 @@ pub fn decide(
     let (change, recorded) = match attempt {
         Attempt::LeaseLost => return None,
         Attempt::Succeeded => {
-            metrics::job_attempts(&job.plugin, job.attempt);
-            metrics::attempt_outcome(&job.plugin, job.attempt, "succeeded");
+            // Counted once the write answers: a plan of child jobs whose
+            // keys were used before is not done yet.
             let change = match (children, plan, plugin_hash) {
                 (Some(children), Some(plan), Some(plugin_hash)) => JobChange::SucceedWithChildren {
                     plugin: job.plugin.clone(),
@@ -218,6 +218,12 @@ pub fn decide(
     ))
 }
 
+/// Counts a successful attempt.
+fn succeeded(job: &Job) {
+    metrics::job_attempts(&job.plugin, job.attempt);
+    metrics::attempt_outcome(&job.plugin, job.attempt, "succeeded");
+}
+
 /// Whether the job's current run of deferrals began longer than `limit`
 /// before this attempt was claimed (both times by the database clock).
 fn deferred_too_long(job: &Job, limit: Duration) -> bool {
@@ -257,6 +263,8 @@ pub async fn record(
     match written {
         Written::Children(ChildrenWritten::KeysTaken) => Ok(Recorded::KeysTaken),
         Written::Children(ChildrenWritten::Applied(children)) => {
+            succeeded(job);
+            WorkerStats::bump(&stats.finished_in_one_write);
             for child in children {
                 tracing::info!(child_job = %child.id, inserted = child.inserted, "child job enqueued");
                 WorkerStats::bump(&stats.effects_executed);
@@ -267,7 +275,10 @@ pub async fn record(
         }
         Written::Job(Fence::Applied) => {
             let counter = match recorded {
-                Recorded::Succeeded => &stats.succeeded,
+                Recorded::Succeeded => {
+                    succeeded(job);
+                    &stats.succeeded
+                }
                 Recorded::Deferred => &stats.deferred,
                 Recorded::Dead => &stats.dead,
                 Recorded::Retried => &stats.retried,

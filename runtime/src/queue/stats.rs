@@ -31,6 +31,8 @@ pub struct WorkerStats {
     pub fenced_out: AtomicU64,
     /// Expired leases rescued by this process.
     pub rescued: AtomicU64,
+    /// Plans of child jobs finished in one write with their job.
+    pub finished_in_one_write: AtomicU64,
 }
 
 /// A snapshot of [`WorkerStats`].
@@ -60,6 +62,8 @@ pub struct StatsSnapshot {
     pub fenced_out: u64,
     /// Leases rescued.
     pub rescued: u64,
+    /// Plans of child jobs finished in one write with their job.
+    pub finished_in_one_write: u64,
 }
 
 impl WorkerStats {
@@ -84,6 +88,7 @@ impl WorkerStats {
             effects_failed: get(&self.effects_failed),
             fenced_out: get(&self.fenced_out),
             rescued: get(&self.rescued),
+            finished_in_one_write: get(&self.finished_in_one_write),
         }
     }
 }

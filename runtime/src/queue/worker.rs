@@ -243,7 +243,11 @@ impl Worker {
             // A slow queue holds at most its concurrency ahead; a fast one
             // up to a claim's size (the fetcher follows the queue's pace).
             let prefetch = self.settings.prefetch.min(concurrency.max(1));
-            let max_prefetch = self.settings.max_claim.max(prefetch);
+            let max_prefetch = if prefetch == 0 {
+                0
+            } else {
+                self.settings.max_claim.max(prefetch)
+            };
             let (sender, buffer) = tokio::sync::mpsc::channel(concurrency + max_prefetch);
             fetchers.spawn(fetcher::run(
                 self.store.clone(),

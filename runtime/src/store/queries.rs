@@ -493,12 +493,14 @@ impl Queries {
             )),
             // A `jobs` effect finished with its job in one write: its row is
             // born succeeded (the child's id is set once it is inserted).
+            // Rows go in key order, so two nodes finishing overlapping keys
+            // wait for each other instead of deadlocking.
             effect_insert_done: x(&format!(
                 "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
                      created_at, updated_at, first_sent_at, reached) \
                  SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'succeeded', 1, \
                      {{now}}, {{now}}, {{now}}, 1 \
-                 FROM {rows} WHERE true ORDER BY t.ord \
+                 FROM {rows} WHERE true ORDER BY t.key \
                  ON CONFLICT (key) DO NOTHING RETURNING key",
                 rows = (d.rows)(&DONE_COLS),
             )),

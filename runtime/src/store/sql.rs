@@ -561,18 +561,24 @@ impl Store for SqlStore {
                 for write in &raced {
                     batch.answer(write.index, Written::Children(ChildrenWritten::KeysTaken));
                 }
-                let mut applied: HashSet<i64> = HashSet::new();
-                if !whole.is_empty() {
-                    applied = sqlx::query_scalar(&self.q.job_succeed)
-                        .bind_rows(job_row_set(JobKind::Succeed, &whole)?)
+                // One statement per round of distinct jobs: two attempts of
+                // one job in one statement would both read as applied.
+                let (mut done, mut fenced) = (Vec::new(), Vec::new());
+                for round in rounds(&whole, |w| w.fence.id.0) {
+                    let applied: HashSet<i64> = sqlx::query_scalar(&self.q.job_succeed)
+                        .bind_rows(job_row_set(JobKind::Succeed, &round)?)
                         .fetch_all(&mut *tx)
                         .await?
                         .into_iter()
                         .collect();
+                    for write in round {
+                        if applied.contains(&write.fence.id.0) {
+                            done.push(write);
+                        } else {
+                            fenced.push(write);
+                        }
+                    }
                 }
-                let (done, fenced): (Vec<_>, Vec<_>) = whole
-                    .into_iter()
-                    .partition(|w| applied.contains(&w.fence.id.0));
                 for write in &fenced {
                     undo.extend(ledger_keys(write, false));
                     batch.answer(write.index, Written::Children(ChildrenWritten::FencedOut));
