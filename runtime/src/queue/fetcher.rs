@@ -140,9 +140,10 @@ pub async fn run(
     let slots = Arc::new(Semaphore::new(total));
     let max_claim = settings.max_claim.max(1);
     let mut pace = Pace::new(floor, ceiling);
-    // Jobs held after the last claim, and when: the slots given back since
-    // are the jobs the handlers finished.
-    let (mut held_after_claim, mut claimed_at) = (0usize, Instant::now());
+    // Jobs held once the last claim's jobs joined, and when that claim
+    // began: the slots given back since are the jobs the handlers finished
+    // (during the claim's round trip too).
+    let (mut held_expected, mut cycle_start) = (0usize, Instant::now());
     let mut claims = 0u64;
     let mut errors = 0u32;
     loop {
@@ -163,7 +164,9 @@ pub async fn run(
         // `concurrency + ahead`.
         let free = need + slots.available_permits();
         let held = total - free;
-        pace.finished(held_after_claim.saturating_sub(held), claimed_at.elapsed());
+        pace.finished(held_expected.saturating_sub(held), cycle_start.elapsed());
+        cycle_start = Instant::now();
+        held_expected = held;
         let want = (free + ahead).saturating_sub(ceiling).clamp(1, max_claim);
         if want > need {
             if let Ok(more) = slots
@@ -212,6 +215,7 @@ pub async fn run(
             }
         };
         let got = jobs.len();
+        tracing::debug!(queue = %settings.queue, ahead, asked, got, "claimed");
         for (job, slot) in jobs.into_iter().zip(permits.drain(..)) {
             let job_stop = abort.child_token();
             keeper.hold(&job, settings.lease, job_stop.clone());
@@ -230,8 +234,7 @@ pub async fn run(
             }
         }
         drop(permits);
-        held_after_claim = total - slots.available_permits();
-        claimed_at = Instant::now();
+        held_expected += got;
         if got < asked {
             // The queue is empty for now: wait for a wake-up or the poll.
             tokio::select! {
