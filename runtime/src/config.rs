@@ -14,6 +14,9 @@
 //! max_deferral = "1h"                 # a job deferred longer is dead-lettered
 //! backoff_base = "5s"
 //! backoff_max = "15m"
+//! prefetch = 16                       # jobs claimed ahead while a queue runs slowly (≤ its concurrency)
+//! claim_batch = 512                   # most jobs per claim; a fast queue claims ~50 ms of work ahead, up to this
+//! commit_batch = 512                  # most writes per transaction
 //!
 //! [retention]
 //! succeeded = "24h"
