@@ -3,24 +3,42 @@
 //! fenced writes — what a busy worker does for jobs without effects. The
 //! jobs are inserted outside the timed part.
 //!
+//! A second group finishes each job with one child job in the same write
+//! (a plan made only of `jobs` effects: ledger row, child, success).
+//!
 //! Run: `cargo bench -p idem-tests --bench store` (PostgreSQL from
 //! `DATABASE_URL`, default the local `test` database). Compare the
 //! batch sizes: the per-job cost should fall as the batch grows.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use idem::store::group_commit::{GroupCommit, GroupCommitSettings};
-use idem::store::{ClaimParams, JobChange, NewJob, Store, Write};
+use idem::store::{ChildEffect, ClaimParams, JobChange, NewJob, Store, Write};
 use idem_tests::Backend;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// How each claimed job is finished.
+#[derive(Debug, Clone, Copy)]
+enum Finish {
+    /// A success with an empty plan.
+    Plain,
+    /// A success that enqueues one child job (one write).
+    WithChild,
+}
+
 fn claim_and_finish(c: &mut Criterion) {
+    bench_group(c, "store/claim_and_finish", Finish::Plain);
+    bench_group(c, "store/claim_and_finish_with_a_child", Finish::WithChild);
+}
+
+fn bench_group(c: &mut Criterion, name: &str, finish: Finish) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
-    let mut group = c.benchmark_group("store/claim_and_finish");
+    let mut group = c.benchmark_group(name);
     group.sample_size(20);
     for backend in [Backend::Sqlite, Backend::Postgres] {
         let (inner, _guard) = runtime.block_on(idem_tests::store(backend));
@@ -30,7 +48,7 @@ fn claim_and_finish(c: &mut Criterion) {
             group.throughput(Throughput::Elements(u64::from(batch)));
             let id = BenchmarkId::new(format!("{backend:?}"), batch);
             group.bench_with_input(id, &batch, |b, &batch| {
-                b.iter_custom(|rounds| runtime.block_on(round_trips(&store, batch, rounds)))
+                b.iter_custom(|rounds| runtime.block_on(round_trips(&store, batch, rounds, finish)))
             });
         }
     }
@@ -39,7 +57,8 @@ fn claim_and_finish(c: &mut Criterion) {
 
 /// `rounds` times: insert `batch` jobs (untimed), claim them in one
 /// statement and finish them in one batch (timed).
-async fn round_trips(store: &Arc<dyn Store>, batch: u32, rounds: u64) -> Duration {
+async fn round_trips(store: &Arc<dyn Store>, batch: u32, rounds: u64, finish: Finish) -> Duration {
+    static CHILDREN: AtomicU64 = AtomicU64::new(0);
     let mut timed = Duration::ZERO;
     for _ in 0..rounds {
         let jobs = (0..batch)
@@ -66,9 +85,30 @@ async fn round_trips(store: &Arc<dyn Store>, batch: u32, rounds: u64) -> Duratio
             .iter()
             .map(|job| Write::Job {
                 fence: job.fence(),
-                change: JobChange::Succeed {
-                    plugin_hash: None,
-                    plan: Some("[]".into()),
+                change: match finish {
+                    Finish::Plain => JobChange::Succeed {
+                        plugin_hash: None,
+                        plan: Some("[]".into()),
+                    },
+                    Finish::WithChild => {
+                        let key =
+                            format!("noop/child:{}", CHILDREN.fetch_add(1, Ordering::Relaxed));
+                        JobChange::SucceedWithChildren {
+                            plugin: "noop".into(),
+                            plan: "[]".into(),
+                            plugin_hash: "bench".into(),
+                            children: vec![ChildEffect {
+                                fingerprint: format!("fp-{key}"),
+                                older_key: None,
+                                child: NewJob {
+                                    queue: "children".into(),
+                                    idempotency_key: Some(key.clone()),
+                                    ..NewJob::new("noop", b"{}".to_vec())
+                                },
+                                key,
+                            }],
+                        }
+                    }
                 },
             })
             .collect();
