@@ -62,6 +62,21 @@ pub enum ConfigError {
     },
 }
 
+/// A queue served with no handler would hold its claimed jobs for ever.
+fn queues_of_at_least_one<'de, D>(deserializer: D) -> Result<BTreeMap<String, u32>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::de::Error as _;
+    let queues = BTreeMap::<String, u32>::deserialize(deserializer)?;
+    if let Some((name, _)) = queues.iter().find(|(_, n)| **n == 0) {
+        return Err(D::Error::custom(format!(
+            "queue {name:?}: concurrency must be at least 1"
+        )));
+    }
+    Ok(queues)
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -103,7 +118,9 @@ impl Default for Config {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerConfig {
-    /// Queues served, with how many jobs of each this process runs at once.
+    /// Queues served, with how many jobs of each this process runs at once
+    /// (at least one each).
+    #[serde(deserialize_with = "queues_of_at_least_one")]
     pub queues: BTreeMap<String, u32>,
     /// Most jobs of a queue running at once across all nodes (optional).
     pub queue_limits: BTreeMap<String, u32>,
@@ -372,6 +389,8 @@ mod tests {
             toml::from_str("[worker]\nqueues = { mail = 3 }\nlease = \"1m\"").unwrap();
         assert_eq!(config.worker.queues["mail"], 3);
         assert_eq!(config.worker.lease, Duration::from_secs(60));
+        let zero = toml::from_str::<Config>("[worker]\nqueues = { mail = 0 }").unwrap_err();
+        assert!(zero.to_string().contains("at least 1"), "{zero}");
         let err = toml::from_str::<Config>("[worker]\nlease = \"soon\"").unwrap_err();
         assert!(err.to_string().contains("soon"), "{err}");
     }

@@ -70,9 +70,8 @@ pub struct FetchSettings {
 ///     pace.ahead();
 /// }
 /// assert_eq!(pace.ahead(), 512);
-/// for _ in 0..20 {
-///     pace.finished(1, Duration::from_secs(1)); // one job a second
-/// }
+/// // The jobs turn slow: one sample over a long span is enough.
+/// pace.finished(4, Duration::from_secs(10));
 /// assert_eq!(pace.ahead(), 8);
 /// ```
 #[derive(Debug, Clone)]
@@ -107,7 +106,11 @@ impl Pace {
         self.window += over;
         if self.window >= SAMPLE_SPAN {
             let sample = self.window_jobs as f64 / self.window.as_secs_f64();
-            self.per_second = 0.7 * self.per_second + 0.3 * sample;
+            // Weighted by the span: a sample over minutes (a queue whose
+            // jobs turned slow) replaces a rate learnt over milliseconds.
+            let spans = self.window.as_secs_f64() / SAMPLE_SPAN.as_secs_f64();
+            let weight = 1.0 - 0.7f64.powf(spans);
+            self.per_second += weight * (sample - self.per_second);
             self.window_jobs = 0;
             self.window = Duration::ZERO;
         }
