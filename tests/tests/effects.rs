@@ -1043,6 +1043,18 @@ fn numbered(i: u64) -> NewJob {
     NewJob::new("bench_child", format!(r#"{{"i": {i}}}"#).into_bytes())
 }
 
+/// The `noop` jobs (the children `bench_child` enqueues).
+async fn noop_jobs(h: &Harness) -> Vec<Job> {
+    h.store
+        .job_list(JobFilter {
+            plugin: Some("noop".into()),
+            limit: 100,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap()
+}
+
 /// A plan made only of child jobs finishes in one write; a delivery whose
 /// key is in the ledger already goes effect by effect and finds it done.
 async fn a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_done(
@@ -1073,15 +1085,7 @@ async fn a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_don
         .expect("a ledger row for the child");
     assert_eq!(row.status, EffectStatus::Succeeded);
     assert_eq!(row.job_id, first);
-    let children = h
-        .store
-        .job_list(JobFilter {
-            plugin: Some("noop".into()),
-            limit: 100,
-            ..JobFilter::default()
-        })
-        .await
-        .unwrap();
+    let children = noop_jobs(&h).await;
     assert_eq!(children.len(), 2);
     let child = children
         .iter()
@@ -1102,15 +1106,7 @@ async fn a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_don
         h.store.job_get(again).await.unwrap().unwrap().state,
         JobState::Succeeded
     );
-    let children = h
-        .store
-        .job_list(JobFilter {
-            plugin: Some("noop".into()),
-            limit: 100,
-            ..JobFilter::default()
-        })
-        .await
-        .unwrap();
+    let children = noop_jobs(&h).await;
     assert_eq!(children.len(), 2, "no second child");
 }
 

@@ -191,11 +191,13 @@ where
         stop.clone(),
     );
     let reached = tokio::time::timeout(Duration::from_secs(60), async {
+        // Woken by each committed insert; the bound covers what inserts
+        // nothing (dead on arrival, the broker's own state).
         loop {
             if done().await {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            store.wait_for_jobs(Duration::from_millis(50)).await;
         }
     })
     .await;
@@ -439,7 +441,7 @@ async fn broker_goes_away(kind: &str) {
     for round in 0..2u32 {
         tokio::time::timeout(Duration::from_secs(30), async {
             while jobs(&h.store, JobState::Available).await.len() < 20 * (round as usize + 1) {
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                h.store.wait_for_jobs(Duration::from_millis(10)).await;
             }
         })
         .await
@@ -447,7 +449,8 @@ async fn broker_goes_away(kind: &str) {
         let before = proxy.accepted.load(std::sync::atomic::Ordering::SeqCst);
         proxy.cut();
         publish(100 + round * 50..150 + round * 50).await;
-        // The source comes back through the proxy before the next cut.
+        // The source comes back through the proxy before the next cut (a
+        // reconnection to a real broker: only polling can watch it).
         tokio::time::timeout(Duration::from_secs(30), async {
             while proxy.accepted.load(std::sync::atomic::Ordering::SeqCst) == before {
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -458,7 +461,7 @@ async fn broker_goes_away(kind: &str) {
     }
     let reached = tokio::time::timeout(Duration::from_secs(60), async {
         while jobs(&h.store, JobState::Available).await.len() < 200 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            h.store.wait_for_jobs(Duration::from_millis(50)).await;
         }
     })
     .await;

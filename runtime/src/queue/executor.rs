@@ -17,13 +17,21 @@ use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::store::{
     ChildEffect, ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence,
-    EffectStatus, EffectSucceedParams, Fence, Job, NewJob, Sent, StatementCall, StatementOutcome,
-    StatementParams, Store, StoreError, retry_transient,
+    EffectStatus, EffectSucceedParams, Enqueued, Fence, Job, NewJob, Sent, StatementCall,
+    StatementOutcome, StatementParams, Store, StoreError, retry_transient,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+
+/// Counts a child job a `jobs` effect enqueued (effect by effect, or with
+/// its parent's success in one write).
+pub(crate) fn child_enqueued(stats: &WorkerStats, child: &Enqueued) {
+    tracing::info!(child_job = %child.id, inserted = child.inserted, "child job enqueued");
+    WorkerStats::bump(&stats.effects_executed);
+    metrics::effect(JOBS_PROVIDER, "executed");
+}
 
 /// Longest deferral when another worker holds an effect's key.
 pub const DEFER_LEASED: Duration = Duration::from_millis(500);
@@ -516,9 +524,7 @@ impl Executor {
         if written == Fence::FencedOut {
             self.fenced_out("child job effect");
         } else {
-            tracing::info!(child_job = %enqueued.id, inserted = enqueued.inserted, "child job enqueued");
-            WorkerStats::bump(&self.stats.effects_executed);
-            metrics::effect(JOBS_PROVIDER, "executed");
+            child_enqueued(&self.stats, &enqueued);
         }
         Ok(())
     }

@@ -265,10 +265,8 @@ pub async fn record(
         Written::Children(ChildrenWritten::Applied(children)) => {
             succeeded(job);
             WorkerStats::bump(&stats.finished_in_one_write);
-            for child in children {
-                tracing::info!(child_job = %child.id, inserted = child.inserted, "child job enqueued");
-                WorkerStats::bump(&stats.effects_executed);
-                metrics::effect(crate::providers::JOBS_PROVIDER, "executed");
+            for child in &children {
+                super::executor::child_enqueued(stats, child);
             }
             WorkerStats::bump(&stats.succeeded);
             Ok(recorded)

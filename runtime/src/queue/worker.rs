@@ -514,18 +514,9 @@ impl Worker {
         let attempt = async {
             let effects: Vec<Effect> = serde_json::from_str(&plan)
                 .map_err(|e| StoreError::Invalid(format!("cannot read the plan back: {e}")))?;
-            let saved = self
-                .store
-                .job_save_plan(SavePlanParams {
-                    fence: job.fence(),
-                    plan,
-                    plugin_hash,
-                })
-                .await?;
-            if saved == Fence::FencedOut {
+            if !self.store_plan(job, plan, plugin_hash).await? {
                 return Ok(Attempt::LeaseLost);
             }
-            failpoint::hit(Failpoint::AfterPlanStored).await?;
             attempt_of(self.executor.execute(job, &effects, stop).await)
         }
         .await;
@@ -586,7 +577,6 @@ impl Worker {
         plugin: Option<Arc<LoadedPlugin>>,
         abort: &CancellationToken,
     ) -> Result<(Attempt, Version), StoreError> {
-        let fence = job.fence();
         let plan: Vec<Effect> = match &job.plan {
             Some(stored) => match serde_json::from_str(stored) {
                 Ok(plan) => {
@@ -694,18 +684,9 @@ impl Worker {
                         },
                     ));
                 }
-                let saved = self
-                    .store
-                    .job_save_plan(SavePlanParams {
-                        fence: fence.clone(),
-                        plan: json,
-                        plugin_hash: plugin.hash().0.clone(),
-                    })
-                    .await?;
-                if saved == Fence::FencedOut {
+                if !self.store_plan(job, json, plugin.hash().0.clone()).await? {
                     return Ok((Attempt::LeaseLost, Version::default()));
                 }
-                failpoint::hit(Failpoint::AfterPlanStored).await?;
                 // No re-read needed: the job had no plan when we claimed it, and
                 // only the holder of this fence can store one.
                 plan
@@ -713,6 +694,29 @@ impl Worker {
         };
         let attempt = attempt_of(self.executor.execute(job, &plan, abort).await)?;
         Ok((attempt, Version::default()))
+    }
+
+    /// Stores a fresh plan, durable before its first effect runs; `false`
+    /// when the attempt no longer holds the job.
+    async fn store_plan(
+        &self,
+        job: &Job,
+        plan: String,
+        plugin_hash: String,
+    ) -> Result<bool, StoreError> {
+        let saved = self
+            .store
+            .job_save_plan(SavePlanParams {
+                fence: job.fence(),
+                plan,
+                plugin_hash,
+            })
+            .await?;
+        if saved == Fence::FencedOut {
+            return Ok(false);
+        }
+        failpoint::hit(Failpoint::AfterPlanStored).await?;
+        Ok(true)
     }
 
     async fn call_plugin(
