@@ -312,3 +312,14 @@ pub fn spawn_run(
         .spawn()
         .unwrap_or_else(|e| panic!("start {exe} run: {e}"))
 }
+
+/// [`spawn_run`] with `--exit-when-drained` and no summary: a worker that
+/// stops once its queues are drained, unless a failpoint ends it first.
+pub fn spawn_drain(exe: &str, config: &std::path::Path, failpoints: &str) -> tokio::process::Child {
+    spawn_run(
+        exe,
+        config,
+        &["--exit-when-drained", "--summary", "false"],
+        failpoints,
+    )
+}

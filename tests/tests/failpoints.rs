@@ -22,12 +22,7 @@ fn invoice(id: u64) -> NewJob {
 /// Starts `idem run --exit-when-drained` on the harness with `failpoints`
 /// armed (`IDEM_FAILPOINTS`).
 fn start(config: &std::path::Path, failpoints: &str) -> tokio::process::Child {
-    idem_tests::spawn_run(
-        env!("CARGO_BIN_EXE_idem-test"),
-        config,
-        &["--exit-when-drained", "--summary", "false"],
-        failpoints,
-    )
+    idem_tests::spawn_drain(env!("CARGO_BIN_EXE_idem-test"), config, failpoints)
 }
 
 /// Waits for the process to die at its failpoint.

@@ -403,22 +403,17 @@ async fn a_business_constraint_the_statement_does_not_handle_is_permanent(backen
 mod crashes {
     use super::*;
 
-    fn start(config: &std::path::Path, failpoints: &str) -> tokio::process::Child {
-        idem_tests::spawn_run(
-            env!("CARGO_BIN_EXE_idem-test"),
-            config,
-            &["--exit-when-drained", "--summary", "false"],
-            failpoints,
-        )
-    }
-
     async fn dies(h: &Harness, billing_url: Option<&str>, failpoint: &str) {
         let config = h.config_file(Duration::from_secs(5));
         let mut text = std::fs::read_to_string(config.path()).unwrap();
         text.push_str("\n[providers.billing_db]\n");
         text.push_str(&billing_toml_with(billing_url, CREATE_INVOICE_ONCE));
         std::fs::write(config.path(), text).unwrap();
-        let mut child = start(config.path(), &format!("{failpoint}=abort"));
+        let mut child = idem_tests::spawn_drain(
+            env!("CARGO_BIN_EXE_idem-test"),
+            config.path(),
+            &format!("{failpoint}=abort"),
+        );
         let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
             .await
             .expect("the process reaches its failpoint within 60 s")
