@@ -62,6 +62,16 @@ pub(crate) struct Dialect {
     /// `state`/`status` would make SQLite scan every running job once per
     /// row of the batch.
     pub no_index: &'static str,
+    /// `id` is one of the ids a subquery selects, written so the database
+    /// looks each one up by its primary key (PostgreSQL plans `IN` as a
+    /// join, and a hash join reads the whole table on every claim).
+    pub ids_in: fn(subquery: &str) -> String,
+    /// A condition (with a trailing `AND`, or nothing) that the first
+    /// column of a row set bound at `$1` holds `column`, so the database
+    /// finds the rows to change by their key instead of joining the whole
+    /// table to the row set (PostgreSQL's planner picks a hash join over a
+    /// sequential scan when its statistics of a churning queue are stale).
+    pub row_keys: fn(column: &str, ty: ColType) -> String,
     /// A JSON text parameter as a JSON value.
     pub json_param: fn(param: &str) -> String,
     /// A JSON object built from `'key', value` pairs.

@@ -31,6 +31,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     2 => "0002_effect_retention.sql",
     3 => "0003_clock.sql",
     4 => "0004_unknown_outcomes.sql",
+    5 => "0005_fewer_index_writes.sql",
 );
 
 /// The PostgreSQL schema.
@@ -40,6 +41,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     3 => "0003_clock.sql",
     4 => "0004_unknown_outcomes.sql",
     5 => "0005_notify_per_statement.sql",
+    6 => "0006_fewer_index_writes.sql",
 );
 
 impl Embedded {
@@ -114,6 +116,98 @@ mod tests {
                 "{backend}: migrations/ and the list differ"
             );
         }
+    }
+
+    /// The rebuild of `jobs` and `effects` (SQLite 0005) keeps every row and
+    /// the id high-water mark: a job inserted after it never reuses the id
+    /// of a pruned one.
+    #[tokio::test]
+    async fn the_sqlite_rebuild_keeps_rows_and_the_id_sequence() {
+        use sqlx::Connection;
+        let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+            .await
+            .expect("an in-memory database");
+        Migrator::new(Embedded(&SQLITE.0[..4]))
+            .await
+            .expect("the migrator up to 0004")
+            .run(&mut conn)
+            .await
+            .expect("migrations up to 0004");
+        let insert = "INSERT INTO jobs (queue, plugin, payload, idempotency_key, run_at, state, \
+                      max_attempts, correlation_id, created_at, updated_at, plan) \
+                      VALUES ('default', 'noop', x'7b7d', $1, 1, $2, 3, 'c', 1, 1, $3)";
+        for (key, state, plan) in [
+            (Some("a"), "succeeded", Some("[]")),
+            (None, "available", None),
+            (Some("pruned"), "succeeded", None),
+        ] {
+            sqlx::query(insert)
+                .bind(key)
+                .bind(state)
+                .bind(plan)
+                .execute(&mut conn)
+                .await
+                .expect("a job");
+        }
+        sqlx::query("DELETE FROM jobs WHERE idempotency_key = 'pruned'")
+            .execute(&mut conn)
+            .await
+            .expect("prune");
+        sqlx::query(
+            "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
+             created_at, updated_at, reached) VALUES ('noop/k', 1, 'noop', 'jobs', 'f', \
+             'succeeded', 1, 1, 1, 1)",
+        )
+        .execute(&mut conn)
+        .await
+        .expect("a ledger row");
+
+        SQLITE
+            .migrator()
+            .await
+            .expect("the migrator")
+            .run(&mut conn)
+            .await
+            .expect("every migration");
+
+        let jobs: Vec<(i64, Option<String>, String, Option<String>)> =
+            sqlx::query_as("SELECT id, idempotency_key, state, plan FROM jobs ORDER BY id")
+                .fetch_all(&mut conn)
+                .await
+                .expect("jobs");
+        assert_eq!(
+            jobs,
+            vec![
+                (1, Some("a".into()), "succeeded".into(), Some("[]".into())),
+                (2, None, "available".into(), None),
+            ]
+        );
+        let next: i64 = sqlx::query_scalar(
+            "INSERT INTO jobs (queue, plugin, payload, run_at, state, max_attempts, \
+             correlation_id, created_at, updated_at) \
+             VALUES ('default', 'noop', x'7b7d', 1, 'available', 1, 'c', 1, 1) RETURNING id",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .expect("a job after the rebuild");
+        assert_eq!(next, 4, "id 3 was used by a pruned job");
+        let duplicate = sqlx::query(insert)
+            .bind(Some("a"))
+            .bind("available")
+            .bind(None::<String>)
+            .execute(&mut conn)
+            .await;
+        assert!(duplicate.is_err(), "a key is still unique per plugin");
+        let ledger: Vec<(String, String, i64)> =
+            sqlx::query_as("SELECT key, status, reached FROM effects")
+                .fetch_all(&mut conn)
+                .await
+                .expect("ledger rows");
+        assert_eq!(ledger, vec![("noop/k".into(), "succeeded".into(), 1)]);
+        let bad_state = sqlx::query("UPDATE jobs SET state = 'lost' WHERE id = 1")
+            .execute(&mut conn)
+            .await;
+        assert!(bad_state.is_err(), "the state check still holds");
     }
 
     #[tokio::test]

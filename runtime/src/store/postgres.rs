@@ -10,7 +10,9 @@
 //! task that wakes its waiting workers; the poll interval remains the
 //! fallback. Row sets are bound as arrays (`unnest`).
 
-use super::dialect::{BackendKind, BindRows, Column, Dialect, DialectConn, RowSet, WritePool};
+use super::dialect::{
+    BackendKind, BindRows, ColType, Column, Dialect, DialectConn, RowSet, WritePool,
+};
 use super::queries::{Clock, Queries};
 use super::sql::{Pools, SqlStore};
 use super::{Enqueued, NewJob, Result, StoreError, input};
@@ -48,6 +50,8 @@ pub(crate) const DIALECT: Dialect = Dialect {
     lock_jobs: "FOR SHARE OF jobs",
     greatest: "GREATEST",
     no_index: "",
+    ids_in: |subquery| format!("id = ANY(ARRAY({subquery}))"),
+    row_keys: |column, ty| format!("{column} = ANY($1::{}[]) AND ", array_type(ty)),
     json_param: |param| format!("({param})::jsonb"),
     json_object: |pairs| format!("jsonb_build_object({pairs})"),
     append_error: |record, now, keep| {
@@ -64,14 +68,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
         let arrays: Vec<String> = cols
             .iter()
             .enumerate()
-            .map(|(i, (_, ty))| {
-                let ty = match ty {
-                    super::dialect::ColType::Int => "int8",
-                    super::dialect::ColType::Text => "text",
-                    super::dialect::ColType::Bytes => "bytea",
-                };
-                format!("${}::{ty}[]", i + 1)
-            })
+            .map(|(i, (_, ty))| format!("${}::{}[]", i + 1, array_type(*ty)))
             .collect();
         let names: Vec<&str> = cols.iter().map(|(name, _)| *name).collect();
         format!(
@@ -81,6 +78,15 @@ pub(crate) const DIALECT: Dialect = Dialect {
         )
     },
 };
+
+/// The element type of a row-set column's array.
+fn array_type(ty: ColType) -> &'static str {
+    match ty {
+        ColType::Int => "int8",
+        ColType::Text => "text",
+        ColType::Bytes => "bytea",
+    }
+}
 
 /// The statements with the database clock, for functions that run on a
 /// caller's connection ([`job_insert_in`]).

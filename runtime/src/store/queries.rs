@@ -18,12 +18,16 @@ const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, a
     lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at, \
     reached, in_doubt, first_sent_at";
 
+/// The conflict target of an insert into `jobs`: the unique index of keyed
+/// jobs (partial, so its predicate is named).
+const KEY_CONFLICT: &str = "(plugin, idempotency_key) WHERE idempotency_key IS NOT NULL";
+
 /// The fence of a batched job write against the row set `t`.
-const JOB_FENCE: &str = "jobs.id = t.id AND {no_index}jobs.state = 'running' \
+const JOB_FENCE: &str = "{job_ids}jobs.id = t.id AND {no_index}jobs.state = 'running' \
     AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt";
 
 /// The fence of a batched effect write against the row set `t`.
-const EFFECT_FENCE: &str = "effects.key = t.key AND effects.lease_owner = t.owner \
+const EFFECT_FENCE: &str = "{effect_keys}effects.key = t.key AND effects.lease_owner = t.owner \
     AND effects.attempt = t.attempt AND {no_index}effects.status = 'processing'";
 
 use ColType::{Bytes, Int, Text};
@@ -127,7 +131,12 @@ impl Queries {
                 )
             }
         };
-        let x = |text: &str| expand(d, &now, text);
+        let keys = Keys {
+            jobs: (d.row_keys)("jobs.id", Int),
+            effects: (d.row_keys)("effects.key", Text),
+            plain: (d.row_keys)("key", Text),
+        };
+        let x = |text: &str| expand(d, &keys, &now, text);
         let record_error = |cond: &str, record: &str, code: &str, message: &str| {
             format!(
                 "errors = CASE WHEN {cond} THEN {appended} ELSE errors END, \
@@ -164,7 +173,7 @@ impl Queries {
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, \
                      run_at, state, max_attempts, correlation_id, created_at, updated_at) \
                  VALUES ($1, $2, $3, $4, $5, {now} + $6, 'available', $7, $8, {now}, {now}) \
-                 ON CONFLICT (plugin, idempotency_key) DO NOTHING \
+                 ON CONFLICT {key_conflict} DO NOTHING \
                  RETURNING id",
             ),
             job_by_key: x("SELECT id FROM jobs WHERE plugin = $1 AND idempotency_key = $2"),
@@ -174,7 +183,7 @@ impl Queries {
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
                      state, max_attempts, correlation_id, created_at, updated_at, finished_at) \
                  VALUES ($1, $2, $3, $6, 0, {now}, 'dead', $4, $5, {now}, {now}, {now}) \
-                 ON CONFLICT (plugin, idempotency_key) DO NOTHING RETURNING id",
+                 ON CONFLICT {key_conflict} DO NOTHING RETURNING id",
             ),
             job_dead_error: x(&format!(
                 "UPDATE jobs SET {record} WHERE id = $1",
@@ -186,7 +195,7 @@ impl Queries {
                  SELECT t.queue, t.plugin, t.payload, t.idem_key, t.priority, {{now}} + t.delay_ms, \
                      'available', t.max_attempts, t.correlation_id, {{now}}, {{now}} \
                  FROM {rows} WHERE true ORDER BY t.ord \
-                 ON CONFLICT (plugin, idempotency_key) DO NOTHING \
+                 ON CONFLICT {{key_conflict}} DO NOTHING \
                  RETURNING id, plugin, idempotency_key",
                 rows = (d.rows)(&INSERT_COLS),
             )),
@@ -208,15 +217,18 @@ impl Queries {
                  ORDER BY id DESC LIMIT $4",
                 ids = (d.int_list)("$3"),
             )),
-            job_claim: x("WITH picked AS (\
-                     SELECT id AS pid FROM jobs \
+            job_claim: x(&format!(
+                "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = $1, \
+                     lease_until = {{now}} + $2, heartbeat_at = {{now}}, updated_at = {{now}} \
+                 WHERE {picked} \
+                 RETURNING {{job_cols}}",
+                picked = (d.ids_in)(
+                    "SELECT id FROM jobs \
                      WHERE queue = $3 AND state IN ('available', 'retrying') AND run_at <= {now} \
                      ORDER BY priority DESC, run_at, id \
-                     LIMIT $4 {skip_locked}) \
-                 UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = $1, \
-                     lease_until = {now} + $2, heartbeat_at = {now}, updated_at = {now} \
-                 FROM picked WHERE jobs.id = picked.pid \
-                 RETURNING {job_cols}"),
+                     LIMIT $4 {skip_locked}"
+                ),
+            )),
             running_in_queue: x("SELECT count(*) FROM jobs WHERE state = 'running' AND queue = $1"),
             job_heartbeat: x(&format!(
                 "UPDATE jobs SET lease_until = {{now}} + t.lease, heartbeat_at = {{now}}, \
@@ -341,7 +353,7 @@ impl Queries {
             // rescue cannot slip in between.
             effect_claim_fence: x(&format!(
                 "SELECT jobs.id, jobs.lease_owner, jobs.attempt FROM jobs, {rows} \
-                 WHERE jobs.id = t.job_id AND jobs.state = 'running' \
+                 WHERE {{job_ids}}jobs.id = t.job_id AND jobs.state = 'running' \
                    AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt {{lock_jobs}}",
                 rows = (d.rows)(&[("job_id", Int), ("owner", Text), ("attempt", Int)]),
             )),
@@ -392,10 +404,8 @@ impl Queries {
                        AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.id = effects.job_id \
                                        AND jobs.state <> 'succeeded') \
                      ORDER BY updated_at LIMIT $2)"),
-            stats_counts: x("SELECT state, count(*) AS n FROM jobs GROUP BY state"),
-            stats_counts_queue: x(
-                "SELECT state, count(*) AS n FROM jobs WHERE queue = $1 GROUP BY state",
-            ),
+            stats_counts: x(&counts_by_state("", "")),
+            stats_counts_queue: x(&counts_by_state("AND queue = $1", "")),
             stats_ready: x(
                 "SELECT count(*) AS n, {now} - min(run_at) AS age FROM jobs \
                  WHERE state IN ('available', 'retrying') AND run_at <= {now}",
@@ -414,9 +424,7 @@ impl Queries {
                  WHERE state = 'dead' AND ($1 IS NULL OR queue = $1) \
                  GROUP BY COALESCE(last_error_code, '-')",
             ),
-            overview_counts: x(
-                "SELECT queue, state, count(*) AS n FROM jobs GROUP BY queue, state ORDER BY queue",
-            ),
+            overview_counts: x(&format!("{} ORDER BY queue", counts_by_state("", "queue,"))),
             overview_ready: x(
                 "SELECT queue, count(*) AS n, {now} - min(run_at) AS age FROM jobs \
                  WHERE state IN ('available', 'retrying') AND run_at <= {now} GROUP BY queue",
@@ -449,7 +457,7 @@ impl Queries {
                          ELSE effects.reached END, \
                      first_sent_at = COALESCE(effects.first_sent_at, {{now}}) \
                  FROM {rows} \
-                 WHERE effects.key = t.key AND effects.fingerprint = t.fingerprint \
+                 WHERE {{effect_keys}}effects.key = t.key AND effects.fingerprint = t.fingerprint \
                    AND effects.status NOT IN ('succeeded', 'failed') \
                    AND (effects.status <> 'processing' OR COALESCE(effects.lease_until, 0) < {{now}}) \
                  RETURNING effects.key, effects.attempt, effects.reached, \
@@ -459,7 +467,7 @@ impl Queries {
             effect_read: x(&format!(
                 "SELECT key, fingerprint, status, lease_until, result_ref, last_error_code, \
                      {{now}} AS now \
-                 FROM effects WHERE key IN (SELECT t.key FROM {rows})",
+                 FROM effects WHERE {{row_keys}}key IN (SELECT t.key FROM {rows})",
                 rows = (d.rows)(&[("key", Text)]),
             )),
             effect_succeed: x(&format!(
@@ -484,11 +492,11 @@ impl Queries {
             )),
             effect_set_ref: x(&format!(
                 "UPDATE effects SET result_ref = t.result_ref FROM {rows} \
-                 WHERE effects.key = t.key AND effects.status = 'succeeded'",
+                 WHERE {{effect_keys}}effects.key = t.key AND effects.status = 'succeeded'",
                 rows = (d.rows)(&[("key", Text), ("result_ref", Text)]),
             )),
             effect_keys_present: x(&format!(
-                "SELECT key FROM effects WHERE key IN (SELECT t.key FROM {rows})",
+                "SELECT key FROM effects WHERE {{row_keys}}key IN (SELECT t.key FROM {rows})",
                 rows = (d.rows)(&[("key", Text)]),
             )),
             // A `jobs` effect finished with its job in one write: its row is
@@ -505,7 +513,7 @@ impl Queries {
                 rows = (d.rows)(&DONE_COLS),
             )),
             effect_delete_keys: x(&format!(
-                "DELETE FROM effects WHERE key IN (SELECT t.key FROM {rows})",
+                "DELETE FROM effects WHERE {{row_keys}}key IN (SELECT t.key FROM {rows})",
                 rows = (d.rows)(&[("key", Text)]),
             )),
             effect_get: x("SELECT {effect_cols} FROM effects WHERE key = $1"),
@@ -537,13 +545,46 @@ pub(crate) const DONE_COLS: [(&str, ColType); 5] = [
     ("fingerprint", Text),
 ];
 
-fn expand(d: &Dialect, now: &str, text: &str) -> String {
-    text.replace("{job_cols}", JOB_COLS)
+/// Jobs per state (with `group` columns first, each followed by a comma),
+/// read from the partial index of each state group (waiting: `jobs_claim`,
+/// running: `jobs_running`, finished: `jobs_finished`); the predicates
+/// repeat the indexes' exactly, so both databases pick them. `filter`
+/// narrows every part (`AND ...`).
+fn counts_by_state(filter: &str, group: &str) -> String {
+    [
+        "state IN ('available', 'retrying')",
+        "state = 'running'",
+        "state IN ('succeeded', 'dead', 'cancelled')",
+    ]
+    .iter()
+    .map(|states| {
+        format!(
+            "SELECT {group} state, count(*) AS n FROM jobs WHERE {states} {filter} \
+             GROUP BY {group} state"
+        )
+    })
+    .collect::<Vec<_>>()
+    .join(" UNION ALL ")
+}
+
+/// The row-set key conditions of a dialect (see [`Dialect::row_keys`]).
+struct Keys {
+    jobs: String,
+    effects: String,
+    plain: String,
+}
+
+fn expand(d: &Dialect, keys: &Keys, now: &str, text: &str) -> String {
+    text.replace("{job_ids}", &keys.jobs)
+        .replace("{effect_keys}", &keys.effects)
+        .replace("{row_keys}", &keys.plain)
+        .replace("{job_cols}", JOB_COLS)
         .replace("{effect_cols}", EFFECT_COLS)
         .replace("{errors}", d.errors_col)
         .replace("{skip_locked}", d.skip_locked)
         .replace("{lock_jobs}", d.lock_jobs)
         .replace("{greatest}", d.greatest)
         .replace("{no_index}", d.no_index)
+        .replace("{key_conflict}", KEY_CONFLICT)
         .replace("{now}", now)
 }

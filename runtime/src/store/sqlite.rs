@@ -41,6 +41,9 @@ pub(crate) const DIALECT: Dialect = Dialect {
     lock_jobs: "",
     greatest: "max",
     no_index: "+",
+    ids_in: |subquery| format!("id IN ({subquery})"),
+    // SQLite drives a row-set join from the row set already.
+    row_keys: |_, _| String::new(),
     json_param: |param| param.to_string(),
     json_object: |pairs| format!("json_object({pairs})"),
     append_error: |record, now, keep| {
