@@ -57,11 +57,15 @@ pub(crate) struct Dialect {
     pub lock_jobs: &'static str,
     /// The larger of two integers (`max` / `GREATEST`).
     pub greatest: &'static str,
-    /// Prefix of a column in a batched write's fence that must not pick the
-    /// index (`+` on SQLite): the row is found by its key, and an index on
-    /// `state`/`status` would make SQLite scan every running job once per
-    /// row of the batch.
-    pub no_index: &'static str,
+    /// `column = 'value'` in a batched write's fence against the row set
+    /// `t` (whose column `key` is never NULL), written so that it neither
+    /// picks an index nor narrows the database's estimate of the rows found
+    /// by key: an index on `state`/`status` (partial indexes are keyed by
+    /// them) would scan every running job, stale entries included, once
+    /// per batch (PostgreSQL) or once per row of the batch (SQLite); and a
+    /// PostgreSQL estimate of one row found makes it re-read the whole row
+    /// set for every row (a nested loop over the row set).
+    pub fence_eq: fn(column: &str, value: &str, key: &str) -> String,
     /// `id` is one of the ids a subquery selects, written so the database
     /// looks each one up by its primary key (PostgreSQL plans `IN` as a
     /// join, and a hash join reads the whole table on every claim).

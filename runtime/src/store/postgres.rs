@@ -49,7 +49,10 @@ pub(crate) const DIALECT: Dialect = Dialect {
     skip_locked: "FOR UPDATE SKIP LOCKED",
     lock_jobs: "FOR SHARE OF jobs",
     greatest: "GREATEST",
-    no_index: "",
+    // A join clause (it names the row set), never a restriction of the scan.
+    fence_eq: |column, value, key| {
+        format!("{column} = CASE WHEN t.{key} IS NULL THEN NULL ELSE '{value}' END")
+    },
     ids_in: |subquery| format!("id = ANY(ARRAY({subquery}))"),
     row_keys: |column, ty| format!("{column} = ANY($1::{}[]) AND ", array_type(ty)),
     json_param: |param| format!("({param})::jsonb"),

@@ -23,12 +23,12 @@ const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, a
 const KEY_CONFLICT: &str = "(plugin, idempotency_key) WHERE idempotency_key IS NOT NULL";
 
 /// The fence of a batched job write against the row set `t`.
-const JOB_FENCE: &str = "{job_ids}jobs.id = t.id AND {no_index}jobs.state = 'running' \
+const JOB_FENCE: &str = "{job_ids}jobs.id = t.id AND {job_running} \
     AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt";
 
 /// The fence of a batched effect write against the row set `t`.
 const EFFECT_FENCE: &str = "{effect_keys}effects.key = t.key AND effects.lease_owner = t.owner \
-    AND effects.attempt = t.attempt AND {no_index}effects.status = 'processing'";
+    AND effects.attempt = t.attempt AND {effect_processing}";
 
 use ColType::{Bytes, Int, Text};
 
@@ -353,7 +353,7 @@ impl Queries {
             // rescue cannot slip in between.
             effect_claim_fence: x(&format!(
                 "SELECT jobs.id, jobs.lease_owner, jobs.attempt FROM jobs, {rows} \
-                 WHERE {{job_ids}}jobs.id = t.job_id AND jobs.state = 'running' \
+                 WHERE {{job_ids}}jobs.id = t.job_id AND {{claimer_running}} \
                    AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt {{lock_jobs}}",
                 rows = (d.rows)(&[("job_id", Int), ("owner", Text), ("attempt", Int)]),
             )),
@@ -492,7 +492,7 @@ impl Queries {
             )),
             effect_set_ref: x(&format!(
                 "UPDATE effects SET result_ref = t.result_ref FROM {rows} \
-                 WHERE {{effect_keys}}effects.key = t.key AND effects.status = 'succeeded'",
+                 WHERE {{effect_keys}}effects.key = t.key AND {{effect_succeeded}}",
                 rows = (d.rows)(&[("key", Text), ("result_ref", Text)]),
             )),
             effect_keys_present: x(&format!(
@@ -584,7 +584,22 @@ fn expand(d: &Dialect, keys: &Keys, now: &str, text: &str) -> String {
         .replace("{skip_locked}", d.skip_locked)
         .replace("{lock_jobs}", d.lock_jobs)
         .replace("{greatest}", d.greatest)
-        .replace("{no_index}", d.no_index)
+        .replace(
+            "{job_running}",
+            &(d.fence_eq)("jobs.state", "running", "id"),
+        )
+        .replace(
+            "{effect_processing}",
+            &(d.fence_eq)("effects.status", "processing", "key"),
+        )
+        .replace(
+            "{claimer_running}",
+            &(d.fence_eq)("jobs.state", "running", "job_id"),
+        )
+        .replace(
+            "{effect_succeeded}",
+            &(d.fence_eq)("effects.status", "succeeded", "key"),
+        )
         .replace("{key_conflict}", KEY_CONFLICT)
         .replace("{now}", now)
 }

@@ -1790,3 +1790,210 @@ impl Answers {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod postgres_plans {
+    //! How PostgreSQL plans the batched writes on a queue table whose
+    //! statistics are stale (the last ANALYZE saw no running job): each
+    //! must find its rows by key, without reading the table, and join them
+    //! to the row set once. Both went wrong before: a hash join over a
+    //! sequential scan of `jobs`, and a nested loop that read the whole row
+    //! set again for every row (256 × 256 rows for a flush of 256).
+    use super::*;
+    use serde_json::Value;
+
+    fn database_url() -> String {
+        std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string())
+    }
+
+    /// Every node of a JSON plan, depth first.
+    fn nodes(plan: &Value) -> Vec<&Value> {
+        let mut out = vec![plan];
+        if let Some(children) = plan.get("Plans").and_then(Value::as_array) {
+            for child in children {
+                out.extend(nodes(child));
+            }
+        }
+        out
+    }
+
+    /// What is wrong with a plan, if anything.
+    fn problems(plan: &Value) -> Vec<String> {
+        let mut found = Vec::new();
+        for node in nodes(plan) {
+            let kind = node["Node Type"].as_str().unwrap_or("");
+            let relation = node["Relation Name"].as_str().unwrap_or("");
+            if kind == "Seq Scan" && (relation == "jobs" || relation == "effects") {
+                found.push(format!("a sequential scan of {relation}"));
+            }
+            if let Some(index) = node["Index Name"].as_str()
+                && relation == "jobs"
+                && index != "jobs_pkey"
+            {
+                found.push(format!("rows found through {index}, not by key"));
+            }
+            if kind == "Nested Loop"
+                && let Some(inner) = node["Plans"].as_array().and_then(|p| p.get(1))
+                && inner["Node Type"] == "Function Scan"
+            {
+                found.push("the row set read again for every row".into());
+            }
+        }
+        found
+    }
+
+    fn item(index: usize, id: i64, change: JobChange) -> JobItem {
+        JobItem {
+            index,
+            fence: JobFence {
+                id: JobId(id),
+                worker: "w#1".into(),
+                attempt: 1,
+            },
+            change,
+            error: None,
+            redacted: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn batched_writes_find_their_rows_by_key_with_stale_statistics() {
+        let schema = format!("idem_plans_{}", hex::encode(rand::random::<[u8; 6]>()));
+        let store =
+            super::super::postgres::connect_with_schema(&database_url(), &schema, Clock::Database)
+                .await
+                .expect("a PostgreSQL store");
+        let pool = store.postgres_pool().expect("PostgreSQL").clone();
+        let rows = "INSERT INTO jobs (queue, plugin, payload, run_at, state, attempt, \
+                    max_attempts, lease_owner, correlation_id, created_at, updated_at) \
+                    SELECT 'default', 'noop', '\\x7b7d', 1, $1, $2, 3, $3, 'c', 1, 1 \
+                    FROM generate_series(1, $4)";
+        sqlx::query(rows)
+            .bind("succeeded")
+            .bind(1i64)
+            .bind(None::<String>)
+            .bind(20_000i32)
+            .execute(&pool)
+            .await
+            .expect("finished jobs");
+        sqlx::query("ANALYZE jobs")
+            .execute(&pool)
+            .await
+            .expect("analyze");
+        sqlx::query(rows)
+            .bind("running")
+            .bind(1i64)
+            .bind("w#1")
+            .bind(512i32)
+            .execute(&pool)
+            .await
+            .expect("running jobs");
+        let running: Vec<i64> =
+            sqlx::query_scalar("SELECT id FROM jobs WHERE state = 'running' ORDER BY id LIMIT 256")
+                .fetch_all(&pool)
+                .await
+                .expect("running ids");
+        let q = &store.q;
+        let error = ErrorRecord {
+            attempt: 1,
+            class: crate::failure::ErrorClass::Retryable,
+            code: "boom".into(),
+            message: "boom".into(),
+            at_ms: 0,
+        };
+        let statements: [(&str, &String, JobKind, JobChange); 6] = [
+            (
+                "heartbeat",
+                &q.job_heartbeat,
+                JobKind::Heartbeat,
+                JobChange::Heartbeat {
+                    lease: Duration::from_secs(30),
+                },
+            ),
+            (
+                "save plan",
+                &q.job_save_plan,
+                JobKind::SavePlan,
+                JobChange::SavePlan {
+                    plan: "[]".into(),
+                    plugin_hash: "h".into(),
+                },
+            ),
+            (
+                "succeed",
+                &q.job_succeed,
+                JobKind::Succeed,
+                JobChange::Succeed {
+                    plugin_hash: Some("h".into()),
+                    plan: Some("[]".into()),
+                },
+            ),
+            (
+                "retry",
+                &q.job_retry,
+                JobKind::Retry,
+                JobChange::Retry {
+                    delay: Duration::from_secs(1),
+                    error: Some(error.clone()),
+                    refund_attempt: false,
+                    plugin_hash: None,
+                },
+            ),
+            (
+                "dead",
+                &q.job_dead,
+                JobKind::Dead,
+                JobChange::Dead {
+                    error,
+                    redact_payload: false,
+                    plugin_hash: None,
+                },
+            ),
+            (
+                "release",
+                &q.job_release,
+                JobKind::Release,
+                JobChange::Release,
+            ),
+        ];
+        let mut wrong = Vec::new();
+        for (name, statement, kind, change) in statements {
+            let writes: Vec<JobItem> = running
+                .iter()
+                .enumerate()
+                .map(|(i, id)| item(i, *id, change.clone()))
+                .collect();
+            let writes = match BatchPlan::new(
+                writes
+                    .into_iter()
+                    .map(|w| Write::Job {
+                        fence: w.fence,
+                        change: w.change,
+                    })
+                    .collect(),
+            ) {
+                Ok(plan) => plan.jobs_of(kind),
+                Err(e) => panic!("{name}: {e}"),
+            };
+            let row_set = job_row_set(kind, &writes).expect("a row set");
+            let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {statement}"))
+                .bind_rows(row_set)
+                .fetch_one(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            for problem in problems(&plan[0]["Plan"]) {
+                wrong.push(format!("{name}: {problem}"));
+            }
+        }
+        store.close().await;
+        if let Ok(mut conn) =
+            <sqlx::PgConnection as sqlx::Connection>::connect(&database_url()).await
+        {
+            let _ = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+                .execute(&mut conn)
+                .await;
+        }
+        assert!(wrong.is_empty(), "{wrong:#?}");
+    }
+}

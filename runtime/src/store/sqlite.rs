@@ -40,7 +40,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     skip_locked: "",
     lock_jobs: "",
     greatest: "max",
-    no_index: "+",
+    fence_eq: |column, value, _| format!("+{column} = '{value}'"),
     ids_in: |subquery| format!("id IN ({subquery})"),
     // SQLite drives a row-set join from the row set already.
     row_keys: |_, _| String::new(),
@@ -255,8 +255,7 @@ mod tests {
             assert!(!lookups.is_empty(), "{name}: no table lookup in {lines:?}");
             for line in lookups {
                 assert!(
-                    line.contains("INTEGER PRIMARY KEY")
-                        || line.contains("sqlite_autoindex_effects"),
+                    line.contains("INTEGER PRIMARY KEY") || line.contains("USING PRIMARY KEY"),
                     "{name} does not look its rows up by key: {lines:?}"
                 );
             }
