@@ -168,6 +168,54 @@ fn an_endless_loop_stops_at_its_deadline() {
 }
 
 #[test]
+fn looping_plugins_sharing_one_thread_each_stop_at_their_wall_clock_deadline() {
+    // A deadline is wall-clock time: a loop that is polled one tick in
+    // sixteen still stops 300 ms after it began, not after 300 ticks of its own.
+    let sandbox = sandbox();
+    let looping = load(&sandbox, plugins::HOSTILE_LOOP);
+    assert_eq!(looping.compiled.limits.deadline, Duration::from_millis(300));
+    let one_thread = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let failures = one_thread.block_on(async {
+        let input = job("{}");
+        let calls = (0..16).map(|_| sandbox.call(&looping.compiled, &input));
+        futures::future::join_all(calls).await
+    });
+    let took = started.elapsed();
+    for failure in failures {
+        assert_eq!(plugin_failure(failure.unwrap_err()).code, "plugin_timeout");
+    }
+    // Counted in each loop's own ticks, sixteen loops would take 16 × 300 ms.
+    assert!(took < Duration::from_millis(2_500), "took {took:?}");
+    assert_still_serving(&sandbox);
+}
+
+#[test]
+fn a_blocking_run_on_a_runtime_thread_still_stops_a_loop_at_its_deadline() {
+    // `Sandbox::run` blocks its thread; on a tokio worker thread a yield to
+    // tokio would never be polled again, and the loop would never stop.
+    let sandbox = sandbox();
+    let looping = load(&sandbox, plugins::HOSTILE_LOOP);
+    let (done, finished) = std::sync::mpsc::channel();
+    let runner = std::thread::spawn(move || {
+        let one_thread = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let ran = one_thread.block_on(async { sandbox.run(&looping.compiled, &job("{}")) });
+        let _ = done.send(ran);
+    });
+    let ran = finished
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the blocking run never returned");
+    assert_eq!(plugin_failure(ran.unwrap_err()).code, "plugin_timeout");
+    runner.join().unwrap();
+}
+
+#[test]
 fn fuel_budgets_stop_a_loop_too() {
     let sandbox = Sandbox::new(SandboxConfig {
         fuel: true,

@@ -312,7 +312,7 @@ fn job(plugin: BenchPlugin, i: u64) -> NewJob {
 }
 
 /// The plugin alone: fresh instance and call, mean µs per job.
-fn sandbox_time(registry: &PluginRegistry, plugin: &LoadedPlugin) -> f64 {
+async fn sandbox_time(registry: &PluginRegistry, plugin: &LoadedPlugin) -> f64 {
     let input = |i: u64| JobInput {
         id: i as i64,
         queue: "default".into(),
@@ -325,12 +325,12 @@ fn sandbox_time(registry: &PluginRegistry, plugin: &LoadedPlugin) -> f64 {
     };
     let sandbox = registry.sandbox();
     for i in 0..200 {
-        let _ = sandbox.run(&plugin.compiled, &input(i));
+        let _ = sandbox.call(&plugin.compiled, &input(i)).await;
     }
     let rounds = 5_000u64;
     let started = Instant::now();
     for i in 0..rounds {
-        let _ = sandbox.run(&plugin.compiled, &input(i));
+        let _ = sandbox.call(&plugin.compiled, &input(i)).await;
     }
     (started.elapsed().as_secs_f64() * 1e6 / rounds as f64 * 100.0).round() / 100.0
 }
@@ -422,7 +422,7 @@ async fn measure(
         drain_ms: None,
         latency: None,
         continuous_jobs_per_s: None,
-        sandbox_us_per_job: sandbox_time(registry, plugin),
+        sandbox_us_per_job: sandbox_time(registry, plugin).await,
         peak_rss_mib: 0.0,
     };
     match args.mode {

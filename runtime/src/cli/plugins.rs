@@ -227,11 +227,7 @@ pub async fn invoke(
         correlation_id: "invoke".into(),
         enqueued_at_ms: chrono::Utc::now().timestamp_millis(),
     };
-    let sandbox = registry.sandbox().clone();
-    let compiled = plugin.compiled.clone();
-    let outcome = tokio::task::spawn_blocking(move || sandbox.run(&compiled, &job))
-        .await
-        .map_err(|e| CliError::Runtime(e.into()))?;
+    let outcome = registry.sandbox().call(&plugin.compiled, &job).await;
     match outcome {
         Ok(effects) => {
             let refusals = plugin.grants.refusals(&effects);

@@ -123,11 +123,7 @@ async fn preview_one(
                 correlation_id: job.correlation_id.clone(),
                 enqueued_at_ms: job.created_at_ms,
             };
-            let sandbox = registry.sandbox().clone();
-            let compiled = plugin.compiled.clone();
-            let ran = tokio::task::spawn_blocking(move || sandbox.run(&compiled, &input))
-                .await
-                .map_err(|e| OpsError::Plugin(format!("the preview run did not finish: {e}")))?;
+            let ran = registry.sandbox().call(&plugin.compiled, &input).await;
             match ran {
                 Ok(plan) => match plugin.grants.refusals(&plan).first() {
                     Some(refusal) => {

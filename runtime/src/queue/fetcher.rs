@@ -16,7 +16,7 @@ use super::lease::LeaseKeeper;
 use crate::store::{ClaimParams, Job, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 /// How much of a fast queue's work is claimed ahead of its handlers.
@@ -133,7 +133,7 @@ pub async fn run(
     store: Arc<dyn Store>,
     settings: FetchSettings,
     keeper: Arc<LeaseKeeper>,
-    buffer: mpsc::Sender<Claimed>,
+    buffer: async_channel::Sender<Claimed>,
     stop: CancellationToken,
     abort: CancellationToken,
 ) {

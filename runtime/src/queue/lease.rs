@@ -27,6 +27,10 @@ struct Held {
     current: Duration,
     extended_at: Instant,
     lost: CancellationToken,
+    /// The attempt's outcome is being committed: at shutdown it is left to
+    /// its lease instead of given back (a release first would fence the
+    /// outcome out and run the job again).
+    recording: bool,
 }
 
 /// The leases this worker holds.
@@ -72,6 +76,7 @@ impl LeaseKeeper {
                 current: claimed_with,
                 extended_at: Instant::now(),
                 lost,
+                recording: false,
             },
         );
     }
@@ -85,6 +90,15 @@ impl LeaseKeeper {
             .get_mut(&id)
         {
             held.lease = lease;
+        }
+    }
+
+    /// Marks this attempt's outcome as being committed (see
+    /// [`LeaseKeeper::drain`]); it stays held, its lease extended.
+    pub fn recording(&self, fence: &JobFence) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = held.get_mut(&fence.id).filter(|h| h.fence == *fence) {
+            h.recording = true;
         }
     }
 
@@ -105,12 +119,15 @@ impl LeaseKeeper {
         }
     }
 
-    /// Stops holding every job; returns their fences (to give them back).
+    /// Stops holding every job; returns the fences of those whose outcome
+    /// is not being committed, to give them back (the others are left to
+    /// their lease).
     pub fn drain(&self) -> Vec<JobFence> {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .drain()
+            .filter(|(_, held)| !held.recording)
             .map(|(_, held)| held.fence)
             .collect()
     }

@@ -260,8 +260,15 @@ pub async fn record(
         return Ok(Recorded::Nothing);
     };
     let written = crate::store::retry_transient(|| store.write(write.clone())).await?;
+    Ok(settle(stats, job, recorded, written))
+}
+
+/// Counts what the write [`decide`] chose for `job` did, once it answered:
+/// what was recorded, [`Recorded::Nothing`] when it was fenced out (the
+/// lease was lost to another attempt), or [`Recorded::KeysTaken`].
+pub fn settle(stats: &WorkerStats, job: &Job, recorded: Recorded, written: Written) -> Recorded {
     match written {
-        Written::Children(ChildrenWritten::KeysTaken) => Ok(Recorded::KeysTaken),
+        Written::Children(ChildrenWritten::KeysTaken) => Recorded::KeysTaken,
         Written::Children(ChildrenWritten::Applied(children)) => {
             succeeded(job);
             WorkerStats::bump(&stats.finished_in_one_write);
@@ -269,7 +276,7 @@ pub async fn record(
                 super::executor::child_enqueued(stats, child);
             }
             WorkerStats::bump(&stats.succeeded);
-            Ok(recorded)
+            recorded
         }
         Written::Job(Fence::Applied) => {
             let counter = match recorded {
@@ -281,11 +288,11 @@ pub async fn record(
                 Recorded::Dead => &stats.dead,
                 Recorded::Retried => &stats.retried,
                 Recorded::Released | Recorded::Nothing | Recorded::KeysTaken => {
-                    return Ok(recorded);
+                    return recorded;
                 }
             };
             WorkerStats::bump(counter);
-            Ok(recorded)
+            recorded
         }
         _ => {
             tracing::warn!(
@@ -294,7 +301,7 @@ pub async fn record(
             );
             WorkerStats::bump(&stats.fenced_out);
             metrics::fenced_out();
-            Ok(Recorded::Nothing)
+            Recorded::Nothing
         }
     }
 }

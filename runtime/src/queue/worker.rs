@@ -18,7 +18,8 @@ use crate::plugins::{LoadedPlugin, PluginRegistry};
 use crate::providers::Providers;
 use crate::sandbox::{JobInput, RunError};
 use crate::store::group_commit::{GroupCommit, GroupCommitSettings};
-use crate::store::{Fence, Job, JobFence, SavePlanParams, Store, StoreError};
+use crate::store::{Fence, Job, SavePlanParams, Store, StoreError};
+use futures::FutureExt;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -116,8 +117,9 @@ pub struct Worker {
     stats: Arc<WorkerStats>,
     keeper: Arc<LeaseKeeper>,
     on_start: std::sync::OnceLock<JobHook>,
-    /// Attempts whose outcome is being committed.
-    recording_now: std::sync::Mutex<Vec<JobFence>>,
+    /// The store's group commit (also behind `store`): outcomes are handed
+    /// to it without a task per job.
+    group: Arc<GroupCommit>,
 }
 
 /// Called with each job as a handler starts it.
@@ -132,7 +134,8 @@ impl Worker {
         providers: Providers,
         settings: WorkerSettings,
     ) -> Arc<Self> {
-        let store: Arc<dyn Store> = GroupCommit::new(store, settings.group_commit);
+        let group = GroupCommit::new(store, settings.group_commit);
+        let store: Arc<dyn Store> = group.clone();
         let stats = Arc::new(WorkerStats::default());
         let executor = Arc::new(Executor {
             store: store.clone(),
@@ -147,23 +150,11 @@ impl Worker {
             registry,
             keeper: Arc::new(LeaseKeeper::new(settings.lease)),
             on_start: std::sync::OnceLock::new(),
-            recording_now: std::sync::Mutex::new(Vec::new()),
+            group,
             settings,
             executor,
             stats,
         })
-    }
-
-    fn recording_started(&self, fence: &JobFence) {
-        if let Ok(mut now) = self.recording_now.lock() {
-            now.push(fence.clone());
-        }
-    }
-
-    fn recording_done(&self, fence: &JobFence) {
-        if let Ok(mut now) = self.recording_now.lock() {
-            now.retain(|f| f != fence);
-        }
     }
 
     /// Circuit states, key leases and the idempotency hit ratio, as gauges
@@ -248,7 +239,7 @@ impl Worker {
             } else {
                 self.settings.max_claim.max(prefetch)
             };
-            let (sender, buffer) = tokio::sync::mpsc::channel(concurrency + max_prefetch);
+            let (sender, buffer) = async_channel::bounded(concurrency + max_prefetch);
             fetchers.spawn(fetcher::run(
                 self.store.clone(),
                 FetchSettings {
@@ -267,7 +258,6 @@ impl Worker {
                 stop_claiming.clone(),
                 abort_jobs.clone(),
             ));
-            let buffer = Arc::new(tokio::sync::Mutex::new(buffer));
             for _ in 0..concurrency {
                 handlers.spawn(self.clone().handle(
                     buffer.clone(),
@@ -335,15 +325,8 @@ impl Worker {
         // being written is left to its lease, so the release cannot fence
         // the outcome out.
         let _ = failpoint::hit(Failpoint::BeforeRelease).await;
-        let still_recording = self
-            .recording_now
-            .lock()
-            .map(|r| r.clone())
-            .unwrap_or_default();
         for fence in self.keeper.drain() {
-            if !still_recording.contains(&fence) {
-                let _ = self.store.job_release(&fence).await;
-            }
+            let _ = self.store.job_release(&fence).await;
         }
         background.cancel();
         let _ = keeping.await;
@@ -358,17 +341,15 @@ impl Worker {
     /// After `stop_claiming`, buffered jobs are given back unstarted.
     async fn handle(
         self: Arc<Self>,
-        buffer: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Claimed>>>,
+        buffer: async_channel::Receiver<Claimed>,
         stop_claiming: CancellationToken,
         idle: Arc<tokio::sync::Notify>,
         recording: TaskTracker,
     ) {
-        loop {
-            let next = buffer.lock().await.recv().await;
-            let Some(claimed) = next else { return };
+        while let Ok(claimed) = buffer.recv().await {
             let id = claimed.job.id;
-            let fence = claimed.job.fence();
             if stop_claiming.is_cancelled() {
+                let fence = claimed.job.fence();
                 let _ = failpoint::hit(Failpoint::BeforeRelease).await;
                 self.keeper.release_fence(&fence);
                 if let Err(error) = self.store.job_release(&fence).await {
@@ -376,30 +357,147 @@ impl Worker {
                 }
             } else {
                 WorkerStats::bump(&self.stats.claimed);
-                let record = self
-                    .clone()
-                    .process(claimed.job, claimed.stop.clone())
+                let span = job_span(&claimed.job);
+                let fence = claimed.job.fence();
+                let outcome = self
+                    .process(claimed.job, claimed.stop)
+                    .instrument(span.clone())
                     .await;
-                // The job stays held (its lease extended) until its outcome
-                // committed; its slot is free for the next claim already.
-                let (worker, idle) = (self.clone(), idle.clone());
-                worker.recording_started(&fence);
-                recording.spawn(async move {
-                    record.await;
-                    // Only this attempt: the job may be claimed again already.
-                    worker.keeper.release_fence(&fence);
-                    worker.recording_done(&fence);
-                    if worker.keeper.is_empty() {
-                        idle.notify_one();
-                    }
-                });
-                drop(claimed.slot);
-                continue;
+                if let Some(outcome) = outcome {
+                    // The job stays held (its lease extended) until its
+                    // outcome committed; its slot is free for the next
+                    // claim already.
+                    let _entered = span.enter();
+                    self.record_later(outcome, span.clone(), &idle, &recording);
+                    drop(claimed.slot);
+                    continue;
+                }
+                // The store failed: no longer extended, the lease expires
+                // and the job is delivered again.
+                self.keeper.release_fence(&fence);
             }
             drop(claimed.slot);
             if self.keeper.is_empty() {
                 idle.notify_one();
             }
+        }
+    }
+
+    /// Hands the outcome's write to the group commit and goes on; its
+    /// answer is counted, and the job let go, by [`Worker::recorded`].
+    fn record_later(
+        self: &Arc<Self>,
+        outcome: Outcome,
+        span: tracing::Span,
+        idle: &Arc<tokio::sync::Notify>,
+        recording: &TaskTracker,
+    ) {
+        let Some((write, recorded)) = outcome.write.clone() else {
+            // Nothing to write (the lease was lost before).
+            self.let_go(&outcome, idle);
+            return;
+        };
+        self.keeper.recording(&outcome.job.fence());
+        let (me, idle, recording, token) = (
+            self.clone(),
+            idle.clone(),
+            recording.clone(),
+            recording.token(),
+        );
+        self.group.write_then(write, move |answer| {
+            let _entered = span.enter();
+            me.recorded(outcome, recorded, answer, &idle, &recording, span.clone());
+            drop(token);
+        });
+    }
+
+    /// An outcome's write answered: counted, then the job is let go; a
+    /// plan of child jobs whose keys were used before goes the long way,
+    /// and a write that failed transiently is tried again, in a task of
+    /// their own.
+    fn recorded(
+        self: Arc<Self>,
+        outcome: Outcome,
+        recorded: Recorded,
+        answer: Result<crate::store::Written, StoreError>,
+        idle: &Arc<tokio::sync::Notify>,
+        recording: &TaskTracker,
+        span: tracing::Span,
+    ) {
+        match answer {
+            Ok(written) => {
+                let recorded = outcome::settle(&self.stats, &outcome.job, recorded, written);
+                if recorded == Recorded::KeysTaken && outcome.long_way.is_some() {
+                    recording.spawn(self.go_the_long_way(outcome, idle.clone()).instrument(span));
+                } else {
+                    self.let_go(&outcome, idle);
+                }
+            }
+            Err(error) if error.is_transient() => {
+                recording.spawn(
+                    self.record_again(outcome, recorded, error, idle.clone())
+                        .instrument(span),
+                );
+            }
+            Err(error) => {
+                tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+                self.let_go(&outcome, idle);
+            }
+        }
+    }
+
+    /// Writes an outcome again after a transient failure (as
+    /// [`outcome::record`] does), then goes on as [`Worker::recorded`].
+    async fn record_again(
+        self: Arc<Self>,
+        outcome: Outcome,
+        recorded: Recorded,
+        error: StoreError,
+        idle: Arc<tokio::sync::Notify>,
+    ) {
+        tracing::warn!(%error, "transient store error recording the outcome; trying again");
+        if let Some((write, _)) = &outcome.write {
+            match crate::store::retry_transient(|| self.store.write(write.clone())).await {
+                Ok(written) => {
+                    let recorded = outcome::settle(&self.stats, &outcome.job, recorded, written);
+                    if recorded == Recorded::KeysTaken && outcome.long_way.is_some() {
+                        return self.go_the_long_way(outcome, idle).await;
+                    }
+                }
+                Err(error) => {
+                    tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+                }
+            }
+        }
+        self.let_go(&outcome, &idle);
+    }
+
+    /// Carries out a plan of child jobs whose one-write finish found a key
+    /// used before, effect by effect (see [`Worker::the_long_way`]).
+    async fn go_the_long_way(
+        self: Arc<Self>,
+        mut outcome: Outcome,
+        idle: Arc<tokio::sync::Notify>,
+    ) {
+        if let Some((plan, hash)) = outcome.long_way.take() {
+            outcome.label = self
+                .the_long_way(&outcome.job, plan, hash, outcome.policy, &outcome.stop)
+                .await;
+        }
+        self.let_go(&outcome, &idle);
+    }
+
+    /// The attempt is over: counted, and this attempt's lease let go (the
+    /// job may be claimed again already).
+    fn let_go(&self, outcome: &Outcome, idle: &tokio::sync::Notify) {
+        metrics::job_finished(
+            &outcome.job.plugin,
+            outcome.label,
+            outcome.started.elapsed(),
+        );
+        self.keeper.release_fence(&outcome.job.fence());
+        if self.keeper.is_empty() {
+            idle.notify_one();
         }
     }
 
@@ -419,33 +517,10 @@ impl Worker {
         Ok(true)
     }
 
-    /// Runs one claimed job's attempt and returns the recording of its
-    /// outcome, to be awaited while the handler goes on; every log line of
-    /// both carries the job id, its key and its correlation id.
-    async fn process(
-        self: Arc<Self>,
-        job: Job,
-        stop: CancellationToken,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let span = tracing::info_span!("job", job_id = %job.id, plugin = %job.plugin, correlation_id = %job.correlation_id,
-            key = job.idempotency_key.as_deref().unwrap_or(""), attempt = job.attempt);
-        let record = self
-            .process_in_span(job, stop)
-            .instrument(span.clone())
-            .await;
-        async move {
-            if let Some(record) = record {
-                record.await
-            }
-        }
-        .instrument(span)
-    }
-
-    async fn process_in_span(
-        self: Arc<Self>,
-        job: Job,
-        stop: CancellationToken,
-    ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+    /// Runs one claimed job's attempt and returns its outcome, to be
+    /// recorded while the handler goes on (`None`: the store failed, the
+    /// lease will expire).
+    async fn process(self: &Arc<Self>, job: Job, stop: CancellationToken) -> Option<Outcome> {
         if let Some(hook) = self.on_start.get() {
             hook(&job);
         }
@@ -460,7 +535,9 @@ impl Worker {
         // `stop` ends the attempt between steps: shutdown after the grace
         // period, or a lost lease (the lease keeper cancels it). A provider
         // call in flight always finishes, so its answer is recorded.
-        self.keeper.set_lease(job.id, lease);
+        if lease != self.settings.lease {
+            self.keeper.set_lease(job.id, lease);
+        }
         let attempt = self.attempt(&job, plugin, &stop).await;
         let (attempt, version) = match attempt {
             Ok(attempt) => attempt,
@@ -481,21 +558,15 @@ impl Worker {
             (Some(_), Some(plan), Some(hash)) => Some((plan.clone(), hash.clone())),
             _ => None,
         };
-        let me = self.clone();
-        Some(async move {
-            let mut label = label;
-            match outcome::record(&*me.store, &me.stats, &job, attempt, policy, version).await {
-                Ok(Recorded::KeysTaken) => {
-                    if let Some((plan, hash)) = long_way {
-                        label = me.the_long_way(&job, plan, hash, policy, &stop).await;
-                    }
-                }
-                Ok(_) => {}
-                Err(error) => {
-                    tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
-                }
-            }
-            metrics::job_finished(&job.plugin, label, started.elapsed());
+        let write = outcome::decide(&job, attempt, policy, version);
+        Some(Outcome {
+            job,
+            write,
+            label,
+            started,
+            policy,
+            long_way,
+            stop,
         })
     }
 
@@ -735,17 +806,52 @@ impl Worker {
             enqueued_at_ms: job.created_at_ms,
         };
         WorkerStats::bump(&self.stats.plugin_calls);
-        let sandbox = self.registry.sandbox().clone();
-        let plugin = plugin.clone();
-        tokio::task::spawn_blocking(move || sandbox.run(&plugin.compiled, &input))
+        // On this task: the call yields to the worker at every epoch tick.
+        // A panic in host code (WASI, an import, the plan's checks) fails
+        // this attempt, not the handler that runs the queue's jobs.
+        let call = self.registry.sandbox().call(&plugin.compiled, &input);
+        std::panic::AssertUnwindSafe(call)
+            .catch_unwind()
             .await
-            .unwrap_or_else(|e| {
+            .unwrap_or_else(|panic| {
                 Err(RunError::Plugin(Failure::host(
                     Code::PluginTrap,
-                    format!("the sandbox thread failed: {e}"),
+                    format!("the sandbox panicked: {}", panic_message(&panic)),
                 )))
             })
     }
+}
+
+/// The message of a caught panic, when it has one.
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message")
+}
+
+/// An attempt that ran, with the write that records it.
+struct Outcome {
+    job: Job,
+    /// What to write, and what it records (`None`: nothing, the lease was
+    /// lost).
+    write: Option<(crate::store::Write, Recorded)>,
+    /// The outcome's name in metrics.
+    label: &'static str,
+    started: Instant,
+    policy: Policy,
+    /// A fresh plan of child jobs and its plugin hash, carried out effect
+    /// by effect if its one-write finish finds a key used before.
+    long_way: Option<(String, String)>,
+    stop: CancellationToken,
+}
+
+/// The span of one job: every log line of its attempt and of its recording
+/// carries its id, its key and its correlation id.
+fn job_span(job: &Job) -> tracing::Span {
+    tracing::info_span!("job", job_id = %job.id, plugin = %job.plugin, correlation_id = %job.correlation_id,
+        key = job.idempotency_key.as_deref().unwrap_or(""), attempt = job.attempt)
 }
 
 /// The attempt a plan's execution makes.

@@ -30,6 +30,17 @@ pub fn hostcall_fuel(output: &OutputLimits) -> usize {
         .saturating_add(MAX_ERROR_MESSAGE * 2)
 }
 
+/// The failure of a call stopped at its deadline.
+pub fn timeout(limits: &PluginLimits) -> Failure {
+    Failure::host(
+        Code::PluginTimeout,
+        format!(
+            "the plugin ran past its {:?} deadline and was stopped",
+            limits.deadline
+        ),
+    )
+}
+
 /// Classifies an error raised while instantiating or calling the plugin.
 pub fn trap(error: &wasmtime::Error, limits: &PluginLimits, stderr: &str) -> Failure {
     if let Some(call) = error.downcast_ref::<ForbiddenCall>() {
@@ -49,13 +60,7 @@ pub fn trap(error: &wasmtime::Error, limits: &PluginLimits, stderr: &str) -> Fai
         );
     }
     match error.downcast_ref::<Trap>() {
-        Some(Trap::Interrupt) => Failure::host(
-            Code::PluginTimeout,
-            format!(
-                "the plugin ran past its {:?} deadline and was stopped",
-                limits.deadline
-            ),
-        ),
+        Some(Trap::Interrupt) => timeout(limits),
         Some(Trap::OutOfFuel) => Failure::host(
             Code::PluginTimeout,
             format!(

@@ -3,7 +3,7 @@
 use super::{Result, SandboxError};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use wasmtime::{Config, Enabled, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
@@ -25,7 +25,8 @@ pub struct SandboxConfig {
     pub max_stack: usize,
     /// Enable fuel metering (needed for per-plugin fuel budgets; costs speed).
     pub fuel: bool,
-    /// Deadline resolution.
+    /// Deadline resolution, and how long a running guest holds its async
+    /// worker thread before it yields (see [`super::Sandbox::call`]).
     pub epoch_tick: Duration,
     /// Where precompiled components are cached (`None`: compile every load).
     pub cache_dir: Option<PathBuf>,
@@ -39,19 +40,14 @@ impl Default for SandboxConfig {
             max_memory: 1 << 30,
             max_stack: 1 << 20,
             fuel: false,
-            epoch_tick: Duration::from_millis(10),
+            epoch_tick: Duration::from_millis(1),
             cache_dir: None,
         }
     }
 }
 
-impl SandboxConfig {
-    /// Epoch ticks for a deadline (at least one).
-    pub fn deadline_ticks(&self, deadline: Duration) -> u64 {
-        let tick = self.epoch_tick.as_nanos().max(1);
-        (deadline.as_nanos().div_ceil(tick) as u64).max(1)
-    }
-}
+/// Fiber stack beyond the wasm stack limit, for host functions and WASI.
+const ASYNC_STACK_HOST_ROOM: usize = 1 << 20;
 
 /// Builds the engine. Keeping memories and tables resident with
 /// `pagemap_scan` removes the page faults of a fresh instance's first call
@@ -61,6 +57,9 @@ pub fn build(config: &SandboxConfig) -> Result<Engine> {
     wasm.epoch_interruption(true)
         .consume_fuel(config.fuel)
         .max_wasm_stack(config.max_stack)
+        // Guests run on fibers: room for the wasm stack and the host calls
+        // made from it (the default 2 MiB would refuse a larger max_stack).
+        .async_stack_size(config.max_stack + ASYNC_STACK_HOST_ROOM)
         .memory_init_cow(true);
     if config.pooling {
         let mut pool = PoolingAllocationConfig::default();
@@ -78,11 +77,36 @@ pub fn build(config: &SandboxConfig) -> Result<Engine> {
     Engine::new(&wasm).map_err(|e| SandboxError::Engine(format!("{e:#}")))
 }
 
-/// Advances the engine's epoch every tick until dropped.
+/// How long the ticker goes on ticking after the last call ended, before it
+/// rests until the next call (an idle host wakes no thread every tick).
+const TICKER_REST_AFTER: Duration = Duration::from_millis(100);
+
+/// Advances the engine's epoch every tick while calls run, until dropped.
 ///
-/// `let _ticker = EpochTicker::start(engine.clone(), Duration::from_millis(10))?;`
+/// `let ticker = EpochTicker::start(engine.clone(), Duration::from_millis(1))?;`
+/// then `let _running = ticker.enter();` around each call.
 pub struct EpochTicker {
-    stop: Arc<AtomicBool>,
+    shared: Arc<TickerState>,
+    thread: std::thread::Thread,
+}
+
+struct TickerState {
+    stop: AtomicBool,
+    /// Calls running now.
+    running: AtomicUsize,
+    /// The ticker thread is parked (no call ran for a while).
+    resting: AtomicBool,
+}
+
+/// A call in flight: the ticker ticks at least until it is dropped.
+pub struct Running<'a> {
+    ticker: &'a EpochTicker,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.ticker.shared.running.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl EpochTicker {
@@ -97,11 +121,35 @@ impl EpochTicker {
     }
 
     fn start_on(thread: std::thread::Builder, engine: Engine, tick: Duration) -> Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        thread
+        let shared = Arc::new(TickerState {
+            stop: AtomicBool::new(false),
+            running: AtomicUsize::new(0),
+            resting: AtomicBool::new(false),
+        });
+        let state = shared.clone();
+        let rest_after = (TICKER_REST_AFTER.as_nanos() / tick.as_nanos().max(1)).max(1);
+        let handle = thread
             .spawn(move || {
-                while !flag.load(Ordering::Relaxed) {
+                let mut idle_ticks = 0u128;
+                while !state.stop.load(Ordering::Relaxed) {
+                    if state.running.load(Ordering::Acquire) > 0 {
+                        idle_ticks = 0;
+                    } else {
+                        idle_ticks += 1;
+                    }
+                    if idle_ticks > rest_after {
+                        state.resting.store(true, Ordering::SeqCst);
+                        // A call that began before `resting` was set is seen
+                        // here; one that begins after it unparks.
+                        if state.running.load(Ordering::SeqCst) == 0
+                            && !state.stop.load(Ordering::Relaxed)
+                        {
+                            std::thread::park();
+                        }
+                        state.resting.store(false, Ordering::SeqCst);
+                        idle_ticks = 0;
+                        continue;
+                    }
                     std::thread::sleep(tick);
                     engine.increment_epoch();
                 }
@@ -111,13 +159,27 @@ impl EpochTicker {
                     "cannot start the epoch ticker thread, so plugin deadlines could not fire: {error}"
                 ))
             })?;
-        Ok(EpochTicker { stop })
+        Ok(EpochTicker {
+            shared,
+            thread: handle.thread().clone(),
+        })
+    }
+
+    /// Marks a call as running until the guard is dropped; wakes the ticker
+    /// if it rests.
+    pub fn enter(&self) -> Running<'_> {
+        self.shared.running.fetch_add(1, Ordering::SeqCst);
+        if self.shared.resting.load(Ordering::SeqCst) {
+            self.thread.unpark();
+        }
+        Running { ticker: self }
     }
 }
 
 impl Drop for EpochTicker {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.shared.stop.store(true, Ordering::Relaxed);
+        self.thread.unpark();
     }
 }
 

@@ -30,7 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{Engine, Store};
+use wasmtime::{Engine, Store, UpdateDeadline};
 
 pub use engine::SandboxConfig;
 
@@ -171,7 +171,7 @@ pub struct Sandbox {
     engine: Engine,
     linker: Linker<GuestState>,
     config: SandboxConfig,
-    _ticker: engine::EpochTicker,
+    ticker: engine::EpochTicker,
 }
 
 impl Sandbox {
@@ -179,7 +179,7 @@ impl Sandbox {
     pub fn new(config: SandboxConfig) -> Result<Self> {
         let engine = engine::build(&config)?;
         let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)
             .map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         guest::forbid_sleeping(&mut linker).map_err(|e| SandboxError::Engine(format!("{e:#}")))?;
         JobPlugin::add_to_linker::<GuestState, HasSelf<GuestState>>(&mut linker, |s| s)
@@ -189,7 +189,7 @@ impl Sandbox {
             engine,
             linker,
             config,
-            _ticker: ticker,
+            ticker,
         })
     }
 
@@ -240,16 +240,44 @@ impl Sandbox {
 
     /// Runs one job in a fresh instance and returns its checked effect plan,
     /// or why not: a classified plugin failure, or no instance free (not the
-    /// plugin's doing). Blocks the calling thread for at most the plugin's
-    /// deadline; call it from a blocking-friendly thread.
-    pub fn run(&self, plugin: &CompiledPlugin, job: &JobInput) -> Result<Vec<Effect>, RunError> {
+    /// plugin's doing). The call runs on the task that awaits it; the guest
+    /// yields to the executor at every epoch tick, so a looping plugin
+    /// shares its worker thread, and it ends at the plugin's (wall-clock)
+    /// deadline. Instantiation and tear-down do not yield (a few µs).
+    /// Dropping the future stops the call at once.
+    ///
+    /// `let effects = sandbox.call(&plugin, &job).await?;`
+    pub async fn call(
+        &self,
+        plugin: &CompiledPlugin,
+        job: &JobInput,
+    ) -> Result<Vec<Effect>, RunError> {
+        self.call_yielding(plugin, job, Yield::ToTokio).await
+    }
+
+    async fn call_yielding(
+        &self,
+        plugin: &CompiledPlugin,
+        job: &JobInput,
+        yielding: Yield,
+    ) -> Result<Vec<Effect>, RunError> {
         let limits = &plugin.limits;
+        let _running = self.ticker.enter();
         let state = GuestState::new(job.id, plugin.name.clone(), limits.memory);
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
         store.set_hostcall_fuel(classify::hostcall_fuel(&limits.output));
-        store.set_epoch_deadline(self.config.deadline_ticks(limits.deadline));
-        store.epoch_deadline_trap();
+        // Every tick the call yields, until its deadline: wall-clock time
+        // since the call began, however long it waited to be polled again.
+        let deadline = std::time::Instant::now() + limits.deadline;
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            Ok(if std::time::Instant::now() >= deadline {
+                UpdateDeadline::Interrupt
+            } else {
+                UpdateDeadline::YieldCustom(1, yielding.now())
+            })
+        });
         if self.config.fuel {
             let fuel = limits.fuel.unwrap_or(u64::MAX);
             store.set_fuel(fuel).map_err(|e| {
@@ -270,7 +298,7 @@ impl Sandbox {
             correlation_id: job.correlation_id.clone(),
             enqueued_at_ms: job.enqueued_at_ms,
         };
-        let instance = match plugin.pre.instantiate(&mut store) {
+        let instance = match plugin.pre.instantiate_async(&mut store).await {
             Ok(instance) => instance,
             Err(error)
                 if error
@@ -289,7 +317,7 @@ impl Sandbox {
                 )));
             }
         };
-        let outcome = instance.call_handle(&mut store, &input);
+        let outcome = instance.call_handle(&mut store, &input).await;
         let state = store.data();
         state.flush_output();
         let returned = match outcome {
@@ -309,6 +337,45 @@ impl Sandbox {
                 error,
                 &limits.output,
             ))),
+        }
+    }
+
+    /// [`Sandbox::call`] on the calling thread, blocking it for at most the
+    /// plugin's deadline: for tools and tests outside an async context.
+    ///
+    /// `let effects = sandbox.run(&plugin, &job)?;`
+    pub fn run(&self, plugin: &CompiledPlugin, job: &JobInput) -> Result<Vec<Effect>, RunError> {
+        futures::executor::block_on(self.call_yielding(plugin, job, Yield::ToCaller))
+    }
+}
+
+/// How a long call yields at each epoch tick.
+#[derive(Clone, Copy)]
+enum Yield {
+    /// To the tokio scheduler, which polls its other tasks first.
+    ToTokio,
+    /// Straight back to whoever polls the call (a blocking caller, which
+    /// may even be a tokio worker thread: tokio's own yield would wait for
+    /// that thread to park, which it never does while it blocks).
+    ToCaller,
+}
+
+impl Yield {
+    fn now(self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        match self {
+            Yield::ToTokio => Box::pin(tokio::task::yield_now()),
+            Yield::ToCaller => {
+                let mut yielded = false;
+                Box::pin(std::future::poll_fn(move |cx| {
+                    if yielded {
+                        std::task::Poll::Ready(())
+                    } else {
+                        yielded = true;
+                        cx.waker().wake_by_ref();
+                        std::task::Poll::Pending
+                    }
+                }))
+            }
         }
     }
 }

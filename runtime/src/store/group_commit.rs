@@ -44,7 +44,53 @@ impl Default for GroupCommitSettings {
 
 struct Pending {
     write: Write,
-    reply: oneshot::Sender<Result<Written>>,
+    reply: Reply,
+}
+
+/// Who learns a write's answer.
+enum Reply {
+    /// A caller awaiting it.
+    Wait(oneshot::Sender<Result<Written>>),
+    /// A callback run by the flusher (see [`GroupCommit::write_then`]).
+    Then(Then),
+}
+
+impl Reply {
+    fn send(self, answer: Result<Written>) {
+        match self {
+            // A caller that stopped waiting no longer needs the answer.
+            Reply::Wait(sender) => {
+                let _ = sender.send(answer);
+            }
+            Reply::Then(mut then) => then.call(answer),
+        }
+    }
+}
+
+type Callback = Box<dyn FnOnce(Result<Written>) + Send>;
+
+/// A callback that is called exactly once: with the answer, or, if the
+/// flusher is stopped before it answers, with [`StoreError::WriterStopped`]
+/// (as an awaiting caller would learn).
+struct Then(Option<Callback>);
+
+impl Then {
+    fn call(&mut self, answer: Result<Written>) {
+        if let Some(then) = self.0.take() {
+            // A panicking callback must not stop the flusher every other
+            // write of the process goes through.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| then(answer)));
+            if ran.is_err() {
+                tracing::error!("a write's callback panicked; the flusher goes on");
+            }
+        }
+    }
+}
+
+impl Drop for Then {
+    fn drop(&mut self) {
+        self.call(Err(StoreError::WriterStopped));
+    }
 }
 
 /// A store whose writes are committed in groups.
@@ -82,6 +128,30 @@ impl GroupCommit {
             queue,
             flusher: Mutex::new(Some(flusher)),
         })
+    }
+
+    /// Queues `write` and returns at once; `then` is called with its answer
+    /// once its batch committed (or failed), on the flusher task, so it must
+    /// be short and must not block: anything that waits is spawned. How a
+    /// busy worker records outcomes without a task per job. An invalid
+    /// write, or a stopped writer, is answered at once.
+    ///
+    /// ```no_run
+    /// # fn demo(group: &idem::store::group_commit::GroupCommit, write: idem::store::Write) {
+    /// group.write_then(write, |answer| println!("{answer:?}"));
+    /// # }
+    /// ```
+    pub fn write_then(&self, write: Write, then: impl FnOnce(Result<Written>) + Send + 'static) {
+        if let Err(error) = super::input::check_write(&write) {
+            return then(Err(error));
+        }
+        let pending = Pending {
+            write,
+            reply: Reply::Then(Then(Some(Box::new(then)))),
+        };
+        if let Err(mpsc::error::SendError(pending)) = self.queue.send(pending) {
+            pending.reply.send(Err(StoreError::WriterStopped));
+        }
     }
 
     /// Stops the flusher at once, as a crash would: queued writes are not
@@ -129,14 +199,13 @@ async fn flush_forever(
         match store.write_batch(writes).await {
             Ok(answers) => {
                 for (reply, answer) in replies.into_iter().zip(answers) {
-                    // A caller that stopped waiting no longer needs the answer.
-                    let _ = reply.send(Ok(answer));
+                    reply.send(Ok(answer));
                 }
             }
             Err(error) => {
                 let error = Arc::new(error);
                 for reply in replies {
-                    let _ = reply.send(Err(StoreError::Batch(error.clone())));
+                    reply.send(Err(StoreError::Batch(error.clone())));
                 }
             }
         }
@@ -181,7 +250,10 @@ impl Store for GroupCommit {
         for write in writes {
             let (reply, answer) = oneshot::channel();
             self.queue
-                .send(Pending { write, reply })
+                .send(Pending {
+                    write,
+                    reply: Reply::Wait(reply),
+                })
                 .map_err(|_| StoreError::WriterStopped)?;
             answers.push(answer);
         }
