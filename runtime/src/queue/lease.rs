@@ -119,6 +119,21 @@ impl LeaseKeeper {
         }
     }
 
+    /// This attempt's hold on its job, let go when dropped (see [`Hold`]).
+    ///
+    /// `let hold = keeper.hold_until_dropped(job.fence(), idle.clone());`
+    pub fn hold_until_dropped(
+        self: &Arc<Self>,
+        fence: JobFence,
+        idle: Arc<tokio::sync::Notify>,
+    ) -> Hold {
+        Hold {
+            keeper: self.clone(),
+            fence,
+            idle,
+        }
+    }
+
     /// Stops holding every job; returns the fences of those whose outcome
     /// is not being committed, to give them back (the others are left to
     /// their lease).
@@ -203,6 +218,32 @@ impl LeaseKeeper {
             if let Err(error) = self.round(&*store).await {
                 tracing::warn!(%error, "heartbeat round failed; will try again");
             }
+        }
+    }
+}
+
+/// An attempt's hold on its claimed job: the keeper extends the job's lease
+/// until the hold is dropped, however the attempt ends (recorded, failed in
+/// the store, or a panic), and `idle` is woken once nothing is held.
+pub struct Hold {
+    keeper: Arc<LeaseKeeper>,
+    fence: JobFence,
+    idle: Arc<tokio::sync::Notify>,
+}
+
+impl Hold {
+    /// The attempt's outcome is being committed (see [`LeaseKeeper::recording`]).
+    pub fn recording(&self) {
+        self.keeper.recording(&self.fence);
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        // Only this attempt: the job may be claimed again already.
+        self.keeper.release_fence(&self.fence);
+        if self.keeper.is_empty() {
+            self.idle.notify_one();
         }
     }
 }

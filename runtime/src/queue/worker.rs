@@ -5,7 +5,7 @@
 use super::backoff::Backoff;
 use super::executor::{Executor, PlanOutcome};
 use super::fetcher::{self, Claimed, FetchSettings};
-use super::lease::LeaseKeeper;
+use super::lease::{Hold, LeaseKeeper};
 use super::maintenance;
 use super::outcome::{self, Attempt, DeferReason, Policy, Recorded, Version};
 use super::stats::{StatsSnapshot, WorkerStats};
@@ -19,7 +19,6 @@ use crate::providers::Providers;
 use crate::sandbox::{JobInput, RunError};
 use crate::store::group_commit::{GroupCommit, GroupCommitSettings};
 use crate::store::{Fence, Job, SavePlanParams, Store, StoreError};
-use futures::FutureExt;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -358,23 +357,21 @@ impl Worker {
             } else {
                 WorkerStats::bump(&self.stats.claimed);
                 let span = job_span(&claimed.job);
-                let fence = claimed.job.fence();
+                let hold = self
+                    .keeper
+                    .hold_until_dropped(claimed.job.fence(), idle.clone());
                 let outcome = self
-                    .process(claimed.job, claimed.stop)
+                    .process(claimed.job, claimed.stop, hold)
                     .instrument(span.clone())
                     .await;
+                // The job stays held (its lease extended) until its outcome
+                // committed; its slot is free for the next claim already.
+                // Without an outcome (the store failed) the hold is gone:
+                // the lease expires and the job is delivered again.
                 if let Some(outcome) = outcome {
-                    // The job stays held (its lease extended) until its
-                    // outcome committed; its slot is free for the next
-                    // claim already.
                     let _entered = span.enter();
-                    self.record_later(outcome, span.clone(), &idle, &recording);
-                    drop(claimed.slot);
-                    continue;
+                    self.record_later(outcome, span.clone(), &recording);
                 }
-                // The store failed: no longer extended, the lease expires
-                // and the job is delivered again.
-                self.keeper.release_fence(&fence);
             }
             drop(claimed.slot);
             if self.keeper.is_empty() {
@@ -389,24 +386,17 @@ impl Worker {
         self: &Arc<Self>,
         outcome: Outcome,
         span: tracing::Span,
-        idle: &Arc<tokio::sync::Notify>,
         recording: &TaskTracker,
     ) {
         let Some((write, recorded)) = outcome.write.clone() else {
             // Nothing to write (the lease was lost before).
-            self.let_go(&outcome, idle);
-            return;
+            return self.let_go(outcome);
         };
-        self.keeper.recording(&outcome.job.fence());
-        let (me, idle, recording, token) = (
-            self.clone(),
-            idle.clone(),
-            recording.clone(),
-            recording.token(),
-        );
+        outcome.hold.recording();
+        let (me, recording, token) = (self.clone(), recording.clone(), recording.token());
         self.group.write_then(write, move |answer| {
             let _entered = span.enter();
-            me.recorded(outcome, recorded, answer, &idle, &recording, span.clone());
+            me.recorded(outcome, recorded, answer, &recording, span.clone());
             drop(token);
         });
     }
@@ -420,7 +410,6 @@ impl Worker {
         outcome: Outcome,
         recorded: Recorded,
         answer: Result<crate::store::Written, StoreError>,
-        idle: &Arc<tokio::sync::Notify>,
         recording: &TaskTracker,
         span: tracing::Span,
     ) {
@@ -428,20 +417,17 @@ impl Worker {
             Ok(written) => {
                 let recorded = outcome::settle(&self.stats, &outcome.job, recorded, written);
                 if recorded == Recorded::KeysTaken && outcome.long_way.is_some() {
-                    recording.spawn(self.go_the_long_way(outcome, idle.clone()).instrument(span));
+                    recording.spawn(self.go_the_long_way(outcome).instrument(span));
                 } else {
-                    self.let_go(&outcome, idle);
+                    self.let_go(outcome);
                 }
             }
             Err(error) if error.is_transient() => {
-                recording.spawn(
-                    self.record_again(outcome, recorded, error, idle.clone())
-                        .instrument(span),
-                );
+                recording.spawn(self.record_again(outcome, recorded, error).instrument(span));
             }
             Err(error) => {
                 tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
-                self.let_go(&outcome, idle);
+                self.let_go(outcome);
             }
         }
     }
@@ -453,7 +439,6 @@ impl Worker {
         outcome: Outcome,
         recorded: Recorded,
         error: StoreError,
-        idle: Arc<tokio::sync::Notify>,
     ) {
         tracing::warn!(%error, "transient store error recording the outcome; trying again");
         if let Some((write, _)) = &outcome.write {
@@ -461,7 +446,7 @@ impl Worker {
                 Ok(written) => {
                     let recorded = outcome::settle(&self.stats, &outcome.job, recorded, written);
                     if recorded == Recorded::KeysTaken && outcome.long_way.is_some() {
-                        return self.go_the_long_way(outcome, idle).await;
+                        return self.go_the_long_way(outcome).await;
                     }
                 }
                 Err(error) => {
@@ -469,36 +454,27 @@ impl Worker {
                 }
             }
         }
-        self.let_go(&outcome, &idle);
+        self.let_go(outcome);
     }
 
     /// Carries out a plan of child jobs whose one-write finish found a key
     /// used before, effect by effect (see [`Worker::the_long_way`]).
-    async fn go_the_long_way(
-        self: Arc<Self>,
-        mut outcome: Outcome,
-        idle: Arc<tokio::sync::Notify>,
-    ) {
+    async fn go_the_long_way(self: Arc<Self>, mut outcome: Outcome) {
         if let Some((plan, hash)) = outcome.long_way.take() {
             outcome.label = self
                 .the_long_way(&outcome.job, plan, hash, outcome.policy, &outcome.stop)
                 .await;
         }
-        self.let_go(&outcome, &idle);
+        self.let_go(outcome);
     }
 
-    /// The attempt is over: counted, and this attempt's lease let go (the
-    /// job may be claimed again already).
-    fn let_go(&self, outcome: &Outcome, idle: &tokio::sync::Notify) {
+    /// The attempt is over: counted, and its hold on the job let go.
+    fn let_go(&self, outcome: Outcome) {
         metrics::job_finished(
             &outcome.job.plugin,
             outcome.label,
             outcome.started.elapsed(),
         );
-        self.keeper.release_fence(&outcome.job.fence());
-        if self.keeper.is_empty() {
-            idle.notify_one();
-        }
     }
 
     /// True when none of the queues this worker serves has a job runnable
@@ -520,7 +496,12 @@ impl Worker {
     /// Runs one claimed job's attempt and returns its outcome, to be
     /// recorded while the handler goes on (`None`: the store failed, the
     /// lease will expire).
-    async fn process(self: &Arc<Self>, job: Job, stop: CancellationToken) -> Option<Outcome> {
+    async fn process(
+        self: &Arc<Self>,
+        job: Job,
+        stop: CancellationToken,
+        hold: Hold,
+    ) -> Option<Outcome> {
         if let Some(hook) = self.on_start.get() {
             hook(&job);
         }
@@ -567,6 +548,7 @@ impl Worker {
             policy,
             long_way,
             stop,
+            hold,
         })
     }
 
@@ -807,28 +789,8 @@ impl Worker {
         };
         WorkerStats::bump(&self.stats.plugin_calls);
         // On this task: the call yields to the worker at every epoch tick.
-        // A panic in host code (WASI, an import, the plan's checks) fails
-        // this attempt, not the handler that runs the queue's jobs.
-        let call = self.registry.sandbox().call(&plugin.compiled, &input);
-        std::panic::AssertUnwindSafe(call)
-            .catch_unwind()
-            .await
-            .unwrap_or_else(|panic| {
-                Err(RunError::Plugin(Failure::host(
-                    Code::PluginTrap,
-                    format!("the sandbox panicked: {}", panic_message(&panic)),
-                )))
-            })
+        self.registry.sandbox().call(&plugin.compiled, &input).await
     }
-}
-
-/// The message of a caught panic, when it has one.
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("no message")
 }
 
 /// An attempt that ran, with the write that records it.
@@ -845,6 +807,8 @@ struct Outcome {
     /// by effect if its one-write finish finds a key used before.
     long_way: Option<(String, String)>,
     stop: CancellationToken,
+    /// The job is held, its lease extended, until the outcome is dropped.
+    hold: Hold,
 }
 
 /// The span of one job: every log line of its attempt and of its recording

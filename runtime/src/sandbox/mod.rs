@@ -255,7 +255,34 @@ impl Sandbox {
         self.call_yielding(plugin, job, Yield::ToTokio).await
     }
 
+    /// A panic in host code during the call (WASI, an import, the plan's
+    /// checks) fails this call as a plugin trap instead of unwinding into
+    /// the caller: a queue's handler, an API request. The store, its fiber
+    /// and its pooled slot are dropped on the way out; what the call shares
+    /// (engine, linker, ticker) holds no state a panic could leave broken.
     async fn call_yielding(
+        &self,
+        plugin: &CompiledPlugin,
+        job: &JobInput,
+        yielding: Yield,
+    ) -> Result<Vec<Effect>, RunError> {
+        let call = self.call_unguarded(plugin, job, yielding);
+        futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(call))
+            .await
+            .unwrap_or_else(|panic| {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                    .unwrap_or("no message");
+                Err(RunError::Plugin(Failure::host(
+                    Code::PluginTrap,
+                    format!("the sandbox panicked: {message}"),
+                )))
+            })
+    }
+
+    async fn call_unguarded(
         &self,
         plugin: &CompiledPlugin,
         job: &JobInput,

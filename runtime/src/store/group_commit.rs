@@ -142,12 +142,13 @@ impl GroupCommit {
     /// # }
     /// ```
     pub fn write_then(&self, write: Write, then: impl FnOnce(Result<Written>) + Send + 'static) {
+        let mut then = Then(Some(Box::new(then)));
         if let Err(error) = super::input::check_write(&write) {
-            return then(Err(error));
+            return then.call(Err(error));
         }
         let pending = Pending {
             write,
-            reply: Reply::Then(Then(Some(Box::new(then)))),
+            reply: Reply::Then(then),
         };
         if let Err(mpsc::error::SendError(pending)) = self.queue.send(pending) {
             pending.reply.send(Err(StoreError::WriterStopped));
