@@ -354,6 +354,9 @@ impl Worker {
                 if let Err(error) = self.store.job_release(&fence).await {
                     tracing::warn!(%error, job_id = %id, "cannot give a buffered job back; its lease will expire");
                 }
+                if self.keeper.is_empty() {
+                    idle.notify_one();
+                }
             } else {
                 WorkerStats::bump(&self.stats.claimed);
                 let span = job_span(&claimed.job);
@@ -373,10 +376,9 @@ impl Worker {
                     self.record_later(outcome, span.clone(), &recording);
                 }
             }
+            // A job held until its outcome committed wakes `idle` when its
+            // hold is dropped.
             drop(claimed.slot);
-            if self.keeper.is_empty() {
-                idle.notify_one();
-            }
         }
     }
 
@@ -415,11 +417,8 @@ impl Worker {
     ) {
         match answer {
             Ok(written) => {
-                let recorded = outcome::settle(&self.stats, &outcome.job, recorded, written);
-                if recorded == Recorded::KeysTaken && outcome.long_way.is_some() {
+                if let Some(outcome) = self.settled(outcome, recorded, written) {
                     recording.spawn(self.go_the_long_way(outcome).instrument(span));
-                } else {
-                    self.let_go(outcome);
                 }
             }
             Err(error) if error.is_transient() => {
@@ -441,20 +440,38 @@ impl Worker {
         error: StoreError,
     ) {
         tracing::warn!(%error, "transient store error recording the outcome; trying again");
-        if let Some((write, _)) = &outcome.write {
-            match crate::store::retry_transient(|| self.store.write(write.clone())).await {
-                Ok(written) => {
-                    let recorded = outcome::settle(&self.stats, &outcome.job, recorded, written);
-                    if recorded == Recorded::KeysTaken && outcome.long_way.is_some() {
-                        return self.go_the_long_way(outcome).await;
-                    }
-                }
-                Err(error) => {
-                    tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+        let Some((write, _)) = &outcome.write else {
+            return self.let_go(outcome);
+        };
+        let written = crate::store::retry_transient(|| self.store.write(write.clone())).await;
+        match written {
+            Ok(written) => {
+                if let Some(outcome) = self.settled(outcome, recorded, written) {
+                    self.go_the_long_way(outcome).await;
                 }
             }
+            Err(error) => {
+                tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+                self.let_go(outcome);
+            }
+        }
+    }
+
+    /// Counts what an outcome's write did, then lets the job go; returns
+    /// the outcome instead when its plan of child jobs found a key used
+    /// before and must go the long way.
+    fn settled(
+        &self,
+        outcome: Outcome,
+        recorded: Recorded,
+        written: crate::store::Written,
+    ) -> Option<Outcome> {
+        let recorded = outcome::settle(&self.stats, &outcome.job, recorded, written);
+        if recorded == Recorded::KeysTaken && outcome.long_way.is_some() {
+            return Some(outcome);
         }
         self.let_go(outcome);
+        None
     }
 
     /// Carries out a plan of child jobs whose one-write finish found a key
