@@ -104,6 +104,13 @@ macro_rules! insert_rows {
     ($conn:expr, $queries:expr, $jobs:expr) => {{
         let (conn, queries, jobs): (_, &Queries, &[&Insertable]) = ($conn, $queries, $jobs);
         async move {
+            if jobs.iter().all(|job| job.idempotency_key.is_none()) {
+                let ids: Vec<i64> = sqlx::query_scalar(&queries.job_insert_rows_unkeyed)
+                    .bind_rows(insert_row_set(jobs))
+                    .fetch_all(&mut *conn)
+                    .await?;
+                return Inserted::unkeyed(ids).in_order(jobs);
+            }
             let rows = sqlx::query(&queries.job_insert_rows)
                 .bind_rows(insert_row_set(jobs))
                 .fetch_all(&mut *conn)
@@ -1277,6 +1284,14 @@ struct Inserted {
 }
 
 impl Inserted {
+    /// The ids of a chunk without keys (inserted, all of them).
+    fn unkeyed(ids: Vec<i64>) -> Self {
+        Inserted {
+            keyed: HashMap::new(),
+            unkeyed: ids,
+        }
+    }
+
     fn add(&mut self, id: i64, plugin: String, key: Option<String>, inserted: bool) {
         match key {
             Some(key) => {
