@@ -17,6 +17,7 @@
 //! prefetch = 16                       # jobs claimed ahead while a queue runs slowly (≤ its concurrency)
 //! claim_batch = 512                   # most jobs per claim; a fast queue claims ~50 ms of work ahead, up to this
 //! commit_batch = 512                  # most writes per transaction
+//! commit_lanes = 1                    # PostgreSQL: transactions committing at once (SQLite: always 1)
 //!
 //! [retention]
 //! succeeded = "24h"
@@ -161,6 +162,11 @@ pub struct WorkerConfig {
     /// wait; a busy worker batches while the previous commit runs).
     #[serde(with = "humantime_serde")]
     pub commit_wait: Duration,
+    /// PostgreSQL: group-commit lanes, transactions committing at once,
+    /// each with its own connection (SQLite has one writer: always 1). Two
+    /// help plans with many ledger writes per job; see
+    /// [`GroupCommitSettings::lanes`](crate::store::group_commit::GroupCommitSettings::lanes).
+    pub commit_lanes: usize,
 }
 
 impl Default for WorkerConfig {
@@ -180,6 +186,7 @@ impl Default for WorkerConfig {
             claim_batch: 512,
             commit_batch: 512,
             commit_wait: Duration::ZERO,
+            commit_lanes: 1,
         }
     }
 }

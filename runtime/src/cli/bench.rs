@@ -95,6 +95,10 @@ pub struct BenchArgs {
     /// Most writes per transaction (default: the configuration's).
     #[arg(long)]
     pub commit_batch: Option<usize>,
+    /// PostgreSQL: transactions committing at once (default: the
+    /// configuration's; SQLite always has one).
+    #[arg(long)]
+    pub commit_lanes: Option<usize>,
     /// Jobs claimed ahead per queue (default: the configuration's).
     #[arg(long)]
     pub prefetch: Option<usize>,
@@ -166,6 +170,8 @@ pub struct Report {
     pub claim_batch: usize,
     /// Writes per transaction.
     pub commit_batch: usize,
+    /// Group-commit lanes (transactions committing at once).
+    pub commit_lanes: usize,
     /// Jobs claimed ahead.
     pub prefetch: usize,
     /// Bulk enqueue, jobs per second.
@@ -396,6 +402,9 @@ async fn measure(
     if let Some(commit) = args.commit_batch {
         settings.group_commit.max_batch = commit;
     }
+    if let Some(lanes) = args.commit_lanes {
+        settings.group_commit.lanes = lanes;
+    }
     if let Some(prefetch) = args.prefetch {
         settings.prefetch = prefetch;
     }
@@ -416,6 +425,10 @@ async fn measure(
         workers: args.workers,
         claim_batch: settings.max_claim,
         commit_batch: settings.group_commit.max_batch,
+        commit_lanes: match scratch.store.backend() {
+            crate::store::BackendKind::Sqlite => 1,
+            crate::store::BackendKind::Postgres => settings.group_commit.lanes.max(1),
+        },
         prefetch: settings.prefetch,
         enqueue_jobs_per_s: None,
         drain_jobs_per_s: None,
@@ -766,13 +779,14 @@ fn print_table(report: &Report) {
         report.machine.kernel
     );
     println!(
-        "  jobs {} (of {} waiting)  concurrency {}  workers {}  claim batch {}  commit batch {}  prefetch {}",
+        "  jobs {} (of {} waiting)  concurrency {}  workers {}  claim batch {}  commit batch {}  commit lanes {}  prefetch {}",
         report.jobs,
         report.backlog,
         report.concurrency,
         report.workers,
         report.claim_batch,
         report.commit_batch,
+        report.commit_lanes,
         report.prefetch
     );
     println!(

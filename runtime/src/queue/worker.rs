@@ -93,6 +93,7 @@ impl WorkerSettings {
             group_commit: GroupCommitSettings {
                 max_batch: config.worker.commit_batch,
                 max_wait: config.worker.commit_wait,
+                lanes: config.worker.commit_lanes,
             },
         }
     }

@@ -213,6 +213,7 @@ pub async fn group_commit_buffer_lost_in_a_crash_writes_nothing(store: Arc<dyn S
         GroupCommitSettings {
             max_batch: 100,
             max_wait: Duration::from_secs(3600),
+            lanes: 1,
         },
     );
     let pending: Vec<_> = claimed
@@ -274,6 +275,7 @@ pub async fn a_failing_flush_fails_every_write_of_it(store: Arc<dyn Store>) {
         GroupCommitSettings {
             max_batch: 2,
             max_wait: Duration::from_secs(3600),
+            lanes: 1,
         },
     );
     let succeed_write = |fence| Write::Job {
@@ -307,4 +309,127 @@ pub async fn a_failing_flush_fails_every_write_of_it(store: Arc<dyn Store>) {
         lone.write(succeed_write(fine.fence())).await.unwrap(),
         Written::Job(Fence::Applied)
     );
+}
+
+/// Writes spread over the group commit's lanes (two on PostgreSQL, one on
+/// SQLite): each caller gets its own answer, stale holders are fenced out
+/// whichever lane their write took, and one job's writes (plan, then
+/// success) and one key's (claim, then finish) land in the order they
+/// were made.
+pub async fn lanes_answer_each_write_and_keep_each_jobs_order(store: Arc<dyn Store>) {
+    const JOBS: usize = 12;
+    store
+        .job_insert_many((0..JOBS).map(|_| job("lanes")).collect())
+        .await
+        .unwrap();
+    let claimed = store
+        .job_claim(claim_params("w", JOBS as u32, LONG))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), JOBS);
+    let grouped = GroupCommit::new(
+        store.clone(),
+        GroupCommitSettings {
+            lanes: 2,
+            ..GroupCommitSettings::default()
+        },
+    );
+    let expected_lanes = match store.backend() {
+        idem::store::BackendKind::Postgres => 2,
+        idem::store::BackendKind::Sqlite => 1,
+    };
+    assert_eq!(grouped.lanes(), expected_lanes);
+    // Every third job is written by a stale holder.
+    let stale = |i: usize| i % 3 == 1;
+    let tasks: Vec<_> = claimed
+        .iter()
+        .enumerate()
+        .map(|(i, held)| {
+            let grouped = grouped.clone();
+            let fence = if stale(i) {
+                other_worker(&held.fence(), "stale")
+            } else {
+                held.fence()
+            };
+            tokio::spawn(async move {
+                let plan = grouped
+                    .write(Write::Job {
+                        fence: fence.clone(),
+                        change: JobChange::SavePlan {
+                            plan: format!("[{i}]"),
+                            plugin_hash: "h".into(),
+                        },
+                    })
+                    .await
+                    .unwrap();
+                let done = grouped
+                    .write(Write::Job {
+                        fence,
+                        change: JobChange::Succeed {
+                            plugin_hash: None,
+                            plan: None,
+                        },
+                    })
+                    .await
+                    .unwrap();
+                (plan, done)
+            })
+        })
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let (plan, done) = tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("every lane answers")
+            .unwrap();
+        let want = if stale(i) {
+            Fence::FencedOut
+        } else {
+            Fence::Applied
+        };
+        assert_eq!(
+            (plan, done),
+            (Written::Job(want), Written::Job(want)),
+            "job {i}"
+        );
+        let row = get(&store, claimed[i].id).await;
+        if stale(i) {
+            assert_eq!(row.state, JobState::Running, "job {i}");
+            assert_eq!(row.plan, None, "job {i}");
+        } else {
+            assert_eq!(row.state, JobState::Succeeded, "job {i}");
+            assert_eq!(
+                row.plan,
+                Some(format!("[{i}]")),
+                "job {i}: the plan, then the success"
+            );
+        }
+    }
+    // A key's claim and its finish, through whichever lanes they take.
+    let holder = hold(&store, "k").await;
+    let fence = match grouped
+        .write(Write::EffectClaim(claim_by(&holder, "lanes:k", LONG)))
+        .await
+        .unwrap()
+    {
+        Written::EffectClaim(EffectClaim::Claimed { fence }) => fence,
+        other => panic!("expected a claim, got {other:?}"),
+    };
+    let finished = grouped
+        .write(Write::Effect {
+            fence,
+            change: EffectChange::Succeed {
+                result_ref: Some("r".into()),
+            },
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        finished,
+        Written::Effect {
+            fence: Fence::Applied,
+            child: None
+        }
+    );
+    let row = store.effect_get("lanes:k").await.unwrap().unwrap();
+    assert_eq!(row.result_ref.as_deref(), Some("r"));
 }

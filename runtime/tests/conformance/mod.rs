@@ -130,6 +130,7 @@ macro_rules! conformance_suite {
             effects::children_finish_with_their_job_in_one_write,
             batch::batch_answers_each_write_in_order_some_fenced_out,
             batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
+            batch::lanes_answer_each_write_and_keep_each_jobs_order,
             statements::statement_commits_with_its_ledger_row,
             statements::statement_of_a_stale_claim_runs_nothing,
             statements::refused_statement_rolls_back_the_ledger_mark,
