@@ -78,6 +78,18 @@ where
     Ok(queues)
 }
 
+/// Each lane holds a pooled connection while it commits: more than
+/// [`MAX_LANES`](crate::store::group_commit::MAX_LANES) would starve claims
+/// and reads of the pool.
+fn commit_lanes_in_range<'de, D>(deserializer: D) -> Result<usize, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::de::Error as _;
+    let lanes = usize::deserialize(deserializer)?;
+    crate::store::group_commit::check_lanes(lanes).map_err(D::Error::custom)
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -166,6 +178,7 @@ pub struct WorkerConfig {
     /// each with its own connection (SQLite has one writer: always 1). Two
     /// help plans with many ledger writes per job; see
     /// [`GroupCommitSettings::lanes`](crate::store::group_commit::GroupCommitSettings::lanes).
+    #[serde(deserialize_with = "commit_lanes_in_range")]
     pub commit_lanes: usize,
 }
 
@@ -400,6 +413,13 @@ mod tests {
         assert!(zero.to_string().contains("at least 1"), "{zero}");
         let err = toml::from_str::<Config>("[worker]\nlease = \"soon\"").unwrap_err();
         assert!(err.to_string().contains("soon"), "{err}");
+        let lanes: Config = toml::from_str("[worker]\ncommit_lanes = 2").unwrap();
+        assert_eq!(lanes.worker.commit_lanes, 2);
+        for wrong in ["0", "5", "1000"] {
+            let err = toml::from_str::<Config>(&format!("[worker]\ncommit_lanes = {wrong}"))
+                .unwrap_err();
+            assert!(err.to_string().contains("between 1 and 4"), "{err}");
+        }
     }
 
     #[test]

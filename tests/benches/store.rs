@@ -4,7 +4,11 @@
 //! jobs are inserted outside the timed part.
 //!
 //! A second group finishes each job with one child job in the same write
-//! (a plan made only of `jobs` effects: ledger row, child, success).
+//! (a plan made only of `jobs` effects: ledger row, child, success); a
+//! third does the same through two group-commit lanes (PostgreSQL only:
+//! SQLite has one writer). A last group times bulk enqueue, 1,000 jobs per
+//! call, without keys (a plain insert) and with keys (checked against the
+//! key index).
 //!
 //! Run: `cargo bench -p idem-tests --bench store` (PostgreSQL from
 //! `DATABASE_URL`, default the local `test` database). Compare the
@@ -28,11 +32,25 @@ enum Finish {
 }
 
 fn claim_and_finish(c: &mut Criterion) {
-    bench_group(c, "store/claim_and_finish", Finish::Plain);
-    bench_group(c, "store/claim_and_finish_with_a_child", Finish::WithChild);
+    let both = [Backend::Sqlite, Backend::Postgres];
+    bench_group(c, "store/claim_and_finish", Finish::Plain, &both, 1);
+    bench_group(
+        c,
+        "store/claim_and_finish_with_a_child",
+        Finish::WithChild,
+        &both,
+        1,
+    );
+    bench_group(
+        c,
+        "store/claim_and_finish_with_a_child_two_lanes",
+        Finish::WithChild,
+        &[Backend::Postgres],
+        2,
+    );
 }
 
-fn bench_group(c: &mut Criterion, name: &str, finish: Finish) {
+fn bench_group(c: &mut Criterion, name: &str, finish: Finish, backends: &[Backend], lanes: usize) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -40,10 +58,14 @@ fn bench_group(c: &mut Criterion, name: &str, finish: Finish) {
         .expect("runtime");
     let mut group = c.benchmark_group(name);
     group.sample_size(20);
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+    for &backend in backends {
         let (inner, _guard) = runtime.block_on(idem_tests::store(backend));
-        let store: Arc<dyn Store> = runtime
-            .block_on(async { GroupCommit::new(inner.clone(), GroupCommitSettings::default()) });
+        let settings = GroupCommitSettings {
+            lanes,
+            ..GroupCommitSettings::default()
+        };
+        let store: Arc<dyn Store> =
+            runtime.block_on(async { GroupCommit::new(inner.clone(), settings) });
         for batch in [1u32, 10, 100] {
             group.throughput(Throughput::Elements(u64::from(batch)));
             let id = BenchmarkId::new(format!("{backend:?}"), batch);
@@ -118,5 +140,50 @@ async fn round_trips(store: &Arc<dyn Store>, batch: u32, rounds: u64, finish: Fi
     timed
 }
 
-criterion_group!(benches, claim_and_finish);
+/// Bulk enqueue of 1,000 jobs per call, without and with keys.
+fn insert_many(c: &mut Criterion) {
+    const JOBS: u64 = 1000;
+    static KEYS: AtomicU64 = AtomicU64::new(0);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut group = c.benchmark_group("store/insert_many");
+    group.sample_size(20);
+    group.throughput(Throughput::Elements(JOBS));
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let (store, _guard) = runtime.block_on(idem_tests::store(backend));
+        for keyed in [false, true] {
+            let id = BenchmarkId::new(
+                format!("{backend:?}"),
+                if keyed { "keyed" } else { "unkeyed" },
+            );
+            group.bench_function(id, |b| {
+                b.iter_custom(|rounds| {
+                    runtime.block_on(async {
+                        let mut timed = Duration::ZERO;
+                        for _ in 0..rounds {
+                            let jobs = (0..JOBS)
+                                .map(|_| NewJob {
+                                    idempotency_key: keyed.then(|| {
+                                        format!("bench:{}", KEYS.fetch_add(1, Ordering::Relaxed))
+                                    }),
+                                    ..NewJob::new("noop", b"{}".to_vec())
+                                })
+                                .collect();
+                            let started = Instant::now();
+                            store.job_insert_many(jobs).await.expect("enqueue");
+                            timed += started.elapsed();
+                        }
+                        timed
+                    })
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, claim_and_finish, insert_many);
 criterion_main!(benches);

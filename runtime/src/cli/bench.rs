@@ -403,7 +403,8 @@ async fn measure(
         settings.group_commit.max_batch = commit;
     }
     if let Some(lanes) = args.commit_lanes {
-        settings.group_commit.lanes = lanes;
+        settings.group_commit.lanes = crate::store::group_commit::check_lanes(lanes)
+            .map_err(|why| CliError::Usage(format!("--commit-lanes: {why}")))?;
     }
     if let Some(prefetch) = args.prefetch {
         settings.prefetch = prefetch;

@@ -775,14 +775,15 @@ impl Worker {
         plan: String,
         plugin_hash: String,
     ) -> Result<bool, StoreError> {
-        let saved = self
-            .store
-            .job_save_plan(SavePlanParams {
-                fence: job.fence(),
-                plan,
-                plugin_hash,
-            })
-            .await?;
+        // Saving a plan again after a transient failure (a deadlock with
+        // another transaction, a dropped connection) keeps the first plan.
+        let params = SavePlanParams {
+            fence: job.fence(),
+            plan,
+            plugin_hash,
+        };
+        let saved =
+            crate::store::retry_transient(|| self.store.job_save_plan(params.clone())).await?;
         if saved == Fence::FencedOut {
             return Ok(false);
         }

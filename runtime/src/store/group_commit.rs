@@ -9,9 +9,9 @@
 //! writes per transaction (one WAL flush on SQLite, one round trip per
 //! statement kind on PostgreSQL). On PostgreSQL the writes can go to
 //! several *lanes* ([`GroupCommitSettings::lanes`]), each a flusher with its
-//! own connection, chosen by job (or effect key) so one job's writes stay
-//! in one lane: a flush runs on one server backend, one core, and a second
-//! lane can use another (SQLite has one writer, so one lane). Each caller still learns its own answer
+//! own connection, chosen by job so one job's writes stay in one lane: a
+//! flush runs on one server backend, one core, and a second lane can use
+//! another (SQLite has one writer, so one lane). Each caller still learns its own answer
 //! (`Applied` or `FencedOut`) and is answered only after its batch committed,
 //! so a write that must be durable before the next step (a plan before its
 //! first effect, a ledger claim before the provider call) is. Reads, claims
@@ -36,8 +36,8 @@ pub struct GroupCommitSettings {
     /// the previous flush runs).
     pub max_wait: Duration,
     /// Flushers committing at once, each its own transaction (PostgreSQL;
-    /// SQLite, with its one writer, always has one). A job's writes, and an
-    /// effect key's, always go to the same lane. Two lanes drain plans of
+    /// SQLite, with its one writer, always has one), at most [`MAX_LANES`].
+    /// A job's writes always go to the same lane. Two lanes drain plans of
     /// child jobs ~1.2x faster (their flushes are long: five statements);
     /// plans without effects ~0.9x (more, smaller commits), so one is the
     /// default (docs/benchmarks.md).
@@ -54,10 +54,34 @@ impl Default for GroupCommitSettings {
     }
 }
 
+/// Most lanes: each holds a pooled connection while it commits, and claims,
+/// reads and `LISTEN` need theirs (the PostgreSQL pool has 16).
+pub const MAX_LANES: usize = 4;
+
+/// `lanes` when it is between 1 and [`MAX_LANES`], or why not.
+///
+/// ```
+/// use idem::store::group_commit::check_lanes;
+/// assert_eq!(check_lanes(2), Ok(2));
+/// assert!(check_lanes(0).is_err());
+/// ```
+pub fn check_lanes(lanes: usize) -> std::result::Result<usize, String> {
+    if (1..=MAX_LANES).contains(&lanes) {
+        Ok(lanes)
+    } else {
+        Err(format!(
+            "commit_lanes must be between 1 and {MAX_LANES} (each lane holds a database connection while it commits), not {lanes}"
+        ))
+    }
+}
+
 /// The lane of `write` among `lanes`: by its job, or, for the end of an
-/// effect (whose fence names no job), by its key. A job has at most one
-/// write in flight besides its heartbeats, and each is fenced, so lanes
-/// never reorder what one caller depends on.
+/// effect (whose fence names no job), by its key. Every write of one job
+/// (its plan, its outcome, its heartbeats, its effect claims) takes the
+/// job's lane, so they commit in the order they were made. An effect's
+/// ledger row is written from its claimer's lane (the claim) and from its
+/// key's lane (the end); those writes are awaited one after the other and
+/// fenced, like two nodes writing one key, so their lanes need not match.
 fn lane_of(write: &Write, lanes: usize) -> usize {
     use std::hash::{Hash, Hasher};
     if lanes <= 1 {
@@ -157,7 +181,7 @@ impl GroupCommit {
     pub fn new(inner: Arc<dyn Store>, settings: GroupCommitSettings) -> Arc<Self> {
         let lanes = match inner.backend() {
             BackendKind::Sqlite => 1,
-            BackendKind::Postgres => settings.lanes.max(1),
+            BackendKind::Postgres => settings.lanes.clamp(1, MAX_LANES),
         };
         let (queues, flushers) = (0..lanes)
             .map(|_| {
@@ -431,8 +455,33 @@ mod tests {
                 },
             );
             let release = job_write(id, JobChange::Release);
+            let effect_claim = Write::EffectClaim(crate::store::EffectClaimParams {
+                key: format!("k{id}"),
+                job_id: JobId(id),
+                plugin: "p".into(),
+                provider: "email".into(),
+                fingerprint: "fp".into(),
+                worker: "w".into(),
+                job_attempt: 1,
+                lease: Duration::from_secs(30),
+            });
             assert_eq!(lane_of(&heartbeat, 3), lane_of(&release, 3), "job {id}");
+            assert_eq!(
+                lane_of(&heartbeat, 3),
+                lane_of(&effect_claim, 3),
+                "job {id}"
+            );
             assert!(lane_of(&heartbeat, 3) < 3);
+        }
+    }
+
+    #[test]
+    fn lanes_out_of_range_are_refused() {
+        assert_eq!(check_lanes(1), Ok(1));
+        assert_eq!(check_lanes(MAX_LANES), Ok(MAX_LANES));
+        for wrong in [0, MAX_LANES + 1, usize::MAX] {
+            let why = check_lanes(wrong).unwrap_err();
+            assert!(why.contains("between 1 and"), "{why}");
         }
     }
 

@@ -450,12 +450,15 @@ impl Queries {
                 "SELECT queue, COALESCE(last_error_code, '-') AS code, count(*) AS n FROM jobs \
                  WHERE state = 'dead' GROUP BY queue, COALESCE(last_error_code, '-')",
             ),
+            // Rows go in key order (keys are distinct within a round), so
+            // two transactions claiming overlapping keys wait for each
+            // other instead of deadlocking.
             effect_insert: x(&format!(
                 "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
                      lease_owner, lease_until, created_at, updated_at, first_sent_at) \
                  SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'processing', 1, \
                      t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}} \
-                 FROM {rows} WHERE true ORDER BY t.ord \
+                 FROM {rows} WHERE true ORDER BY t.key \
                  ON CONFLICT (key) DO NOTHING RETURNING key, attempt",
                 rows = (d.rows)(&CLAIM_COLS),
             )),

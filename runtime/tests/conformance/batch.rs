@@ -313,9 +313,9 @@ pub async fn a_failing_flush_fails_every_write_of_it(store: Arc<dyn Store>) {
 
 /// Writes spread over the group commit's lanes (two on PostgreSQL, one on
 /// SQLite): each caller gets its own answer, stale holders are fenced out
-/// whichever lane their write took, and one job's writes (plan, then
-/// success) and one key's (claim, then finish) land in the order they
-/// were made.
+/// whichever lane their write took, one job's writes (plan, then success,
+/// queued together) land in the order they were made, and an effect's
+/// claim and end (awaited one after the other) both apply.
 pub async fn lanes_answer_each_write_and_keep_each_jobs_order(store: Arc<dyn Store>) {
     const JOBS: usize = 12;
     store
@@ -352,27 +352,29 @@ pub async fn lanes_answer_each_write_and_keep_each_jobs_order(store: Arc<dyn Sto
                 held.fence()
             };
             tokio::spawn(async move {
-                let plan = grouped
-                    .write(Write::Job {
-                        fence: fence.clone(),
-                        change: JobChange::SavePlan {
-                            plan: format!("[{i}]"),
-                            plugin_hash: "h".into(),
+                // Both queued before either is answered: in one lane they
+                // commit in this order; were they split over two, the
+                // success could commit first and fence the plan out.
+                let answers = grouped
+                    .write_batch(vec![
+                        Write::Job {
+                            fence: fence.clone(),
+                            change: JobChange::SavePlan {
+                                plan: format!("[{i}]"),
+                                plugin_hash: "h".into(),
+                            },
                         },
-                    })
+                        Write::Job {
+                            fence,
+                            change: JobChange::Succeed {
+                                plugin_hash: None,
+                                plan: None,
+                            },
+                        },
+                    ])
                     .await
                     .unwrap();
-                let done = grouped
-                    .write(Write::Job {
-                        fence,
-                        change: JobChange::Succeed {
-                            plugin_hash: None,
-                            plan: None,
-                        },
-                    })
-                    .await
-                    .unwrap();
-                (plan, done)
+                (answers[0].clone(), answers[1].clone())
             })
         })
         .collect();

@@ -202,6 +202,29 @@ pub async fn insert_unique_key_race(store: Arc<dyn Store>) {
     assert_eq!(all.len(), 5);
 }
 
+/// A batch without keys (the plain insert, chunk after chunk): every id
+/// comes back in input order and holds its own input, and none repeats.
+pub async fn insert_many_without_keys_maps_each_id_to_its_input(store: Arc<dyn Store>) {
+    let inputs: Vec<NewJob> = (0..2_500)
+        .map(|i| NewJob {
+            payload: format!("unkeyed {i}").into_bytes(),
+            priority: i % 5,
+            ..job("unkeyed")
+        })
+        .collect();
+    let results = store.job_insert_many(inputs.clone()).await.unwrap();
+    assert_eq!(results.len(), inputs.len());
+    let mut ids = HashSet::new();
+    for (input, result) in inputs.iter().zip(&results) {
+        assert!(result.inserted);
+        assert!(ids.insert(result.id), "id {} twice", result.id);
+        let stored = get(&store, result.id).await;
+        assert_eq!(stored.payload, input.payload, "job {}", result.id);
+        assert_eq!(stored.priority, input.priority, "job {}", result.id);
+        assert_eq!(stored.idempotency_key, None);
+    }
+}
+
 pub async fn insert_many_batch_with_duplicates(store: Arc<dyn Store>) {
     assert!(store.job_insert_many(Vec::new()).await.unwrap().is_empty());
     let existing = store.job_insert(keyed("batch", "k:7")).await.unwrap();

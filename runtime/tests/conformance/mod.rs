@@ -84,6 +84,7 @@ macro_rules! conformance_suite {
             insert::insert_rejects_invalid_input,
             insert::insert_unique_key_race,
             insert::insert_many_batch_with_duplicates,
+            insert::insert_many_without_keys_maps_each_id_to_its_input,
             insert::insert_many_is_all_or_nothing,
             insert::job_list_filters,
             claim::claim_race_exactly_once,
