@@ -416,8 +416,8 @@ mod tests {
         let lanes: Config = toml::from_str("[worker]\ncommit_lanes = 2").unwrap();
         assert_eq!(lanes.worker.commit_lanes, 2);
         for wrong in ["0", "5", "1000"] {
-            let err = toml::from_str::<Config>(&format!("[worker]\ncommit_lanes = {wrong}"))
-                .unwrap_err();
+            let err =
+                toml::from_str::<Config>(&format!("[worker]\ncommit_lanes = {wrong}")).unwrap_err();
             assert!(err.to_string().contains("between 1 and 4"), "{err}");
         }
     }
