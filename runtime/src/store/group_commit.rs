@@ -39,7 +39,8 @@ pub struct GroupCommitSettings {
     /// SQLite, with its one writer, always has one), at most [`MAX_LANES`].
     /// A job's writes always go to the same lane. Two lanes drain plans of
     /// child jobs ~1.2x faster (their flushes are long: five statements);
-    /// plans without effects ~0.9x (more, smaller commits), so one is the
+    /// plans without effects ~0.9x (not batch size: lanes that took turns
+    /// while lightly loaded lost as much), so one is the
     /// default (docs/benchmarks.md).
     pub lanes: usize,
 }
