@@ -426,10 +426,10 @@ async fn measure(
         workers: args.workers,
         claim_batch: settings.max_claim,
         commit_batch: settings.group_commit.max_batch,
-        commit_lanes: match scratch.store.backend() {
-            crate::store::BackendKind::Sqlite => 1,
-            crate::store::BackendKind::Postgres => settings.group_commit.lanes.max(1),
-        },
+        commit_lanes: crate::store::group_commit::lanes_for(
+            scratch.store.backend(),
+            settings.group_commit.lanes,
+        ),
         prefetch: settings.prefetch,
         enqueue_jobs_per_s: None,
         drain_jobs_per_s: None,

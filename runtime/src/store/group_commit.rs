@@ -76,6 +76,21 @@ pub fn check_lanes(lanes: usize) -> std::result::Result<usize, String> {
     }
 }
 
+/// The lanes a store of `backend` gets for `lanes` asked: SQLite has one
+/// writer, so one; PostgreSQL between 1 and [`MAX_LANES`].
+///
+/// ```
+/// use idem::store::{BackendKind, group_commit::lanes_for};
+/// assert_eq!(lanes_for(BackendKind::Sqlite, 2), 1);
+/// assert_eq!(lanes_for(BackendKind::Postgres, 2), 2);
+/// ```
+pub fn lanes_for(backend: BackendKind, lanes: usize) -> usize {
+    match backend {
+        BackendKind::Sqlite => 1,
+        BackendKind::Postgres => lanes.clamp(1, MAX_LANES),
+    }
+}
+
 /// The lane of `write` among `lanes`: by its job, or, for the end of an
 /// effect (whose fence names no job), by its key. Every write of one job
 /// (its plan, its outcome, its heartbeats, its effect claims) takes the
@@ -180,10 +195,7 @@ impl Drop for GroupCommit {
 impl GroupCommit {
     /// Starts the flushers (one per lane) in front of `inner`.
     pub fn new(inner: Arc<dyn Store>, settings: GroupCommitSettings) -> Arc<Self> {
-        let lanes = match inner.backend() {
-            BackendKind::Sqlite => 1,
-            BackendKind::Postgres => settings.lanes.clamp(1, MAX_LANES),
-        };
+        let lanes = lanes_for(inner.backend(), settings.lanes);
         let (queues, flushers) = (0..lanes)
             .map(|_| {
                 let (queue, pending) = mpsc::unbounded_channel();

@@ -138,6 +138,17 @@ impl Queries {
             plain: (d.row_keys)("key", Text),
         };
         let x = |text: &str| expand(d, &keys, &now, text);
+        // A row set of new jobs, in input order, ended by `tail`.
+        let insert_rows = |tail: &str| {
+            x(&format!(
+                "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
+                     state, max_attempts, correlation_id, created_at, updated_at) \
+                 SELECT t.queue, t.plugin, t.payload, t.idem_key, t.priority, {{now}} + t.delay_ms, \
+                     'available', t.max_attempts, t.correlation_id, {{now}}, {{now}} \
+                 FROM {rows} WHERE true ORDER BY t.ord {tail}",
+                rows = (d.rows)(&INSERT_COLS),
+            ))
+        };
         let record_error = |cond: &str, record: &str, code: &str, message: &str| {
             format!(
                 "errors = CASE WHEN {cond} THEN {appended} ELSE errors END, \
@@ -190,29 +201,14 @@ impl Queries {
                 "UPDATE jobs SET {record} WHERE id = $1",
                 record = record_error("true", &(d.json_param)("$2"), "$3", "$4"),
             )),
-            job_insert_rows: x(&format!(
-                "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
-                     state, max_attempts, correlation_id, created_at, updated_at) \
-                 SELECT t.queue, t.plugin, t.payload, t.idem_key, t.priority, {{now}} + t.delay_ms, \
-                     'available', t.max_attempts, t.correlation_id, {{now}}, {{now}} \
-                 FROM {rows} WHERE true ORDER BY t.ord \
-                 ON CONFLICT {{key_conflict}} DO NOTHING \
-                 RETURNING id, plugin, idempotency_key",
-                rows = (d.rows)(&INSERT_COLS),
-            )),
+            job_insert_rows: insert_rows(
+                "ON CONFLICT {key_conflict} DO NOTHING RETURNING id, plugin, idempotency_key",
+            ),
             // A row set without keys cannot conflict: a plain insert, which
             // PostgreSQL runs ~15% faster than one that checks the key
             // index for every row (a speculative insertion), and only ids
             // come back.
-            job_insert_rows_unkeyed: x(&format!(
-                "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
-                     state, max_attempts, correlation_id, created_at, updated_at) \
-                 SELECT t.queue, t.plugin, t.payload, NULL, t.priority, {{now}} + t.delay_ms, \
-                     'available', t.max_attempts, t.correlation_id, {{now}}, {{now}} \
-                 FROM {rows} WHERE true ORDER BY t.ord \
-                 RETURNING id",
-                rows = (d.rows)(&INSERT_COLS),
-            )),
+            job_insert_rows_unkeyed: insert_rows("RETURNING id"),
             jobs_by_keys: x(&format!(
                 "SELECT id, plugin, idempotency_key FROM jobs \
                  WHERE (plugin, idempotency_key) IN (SELECT t.plugin, t.idem_key FROM {rows})",

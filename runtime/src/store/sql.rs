@@ -109,7 +109,11 @@ macro_rules! insert_rows {
                     .bind_rows(insert_row_set(jobs))
                     .fetch_all(&mut *conn)
                     .await?;
-                return Inserted::unkeyed(ids).in_order(jobs);
+                let inserted = Inserted {
+                    unkeyed: ids,
+                    ..Inserted::default()
+                };
+                return inserted.in_order(jobs);
             }
             let rows = sqlx::query(&queries.job_insert_rows)
                 .bind_rows(insert_row_set(jobs))
@@ -1284,14 +1288,6 @@ struct Inserted {
 }
 
 impl Inserted {
-    /// The ids of a chunk without keys (inserted, all of them).
-    fn unkeyed(ids: Vec<i64>) -> Self {
-        Inserted {
-            keyed: HashMap::new(),
-            unkeyed: ids,
-        }
-    }
-
     fn add(&mut self, id: i64, plugin: String, key: Option<String>, inserted: bool) {
         match key {
             Some(key) => {
