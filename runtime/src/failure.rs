@@ -88,6 +88,8 @@ pub enum Code {
     DeferredTooLong,
     /// A lease expired with no attempt left.
     LeaseExpired,
+    /// Claims of the job were rescued too often before its start was recorded.
+    RescuedUnstarted,
     /// The provider did not answer in time after the request was sent.
     ProviderTimeout,
     /// The connection dropped after the request was sent.
@@ -138,7 +140,7 @@ pub enum Code {
 
 impl Code {
     /// Every code.
-    pub const ALL: [Code; 46] = [
+    pub const ALL: [Code; 47] = [
         Code::PluginTimeout,
         Code::PluginOutOfMemory,
         Code::PluginStackOverflow,
@@ -162,6 +164,7 @@ impl Code {
         Code::DedupeWindowPassed,
         Code::DeferredTooLong,
         Code::LeaseExpired,
+        Code::RescuedUnstarted,
         Code::ProviderTimeout,
         Code::ProviderConnectionLost,
         Code::ProviderError,
@@ -217,6 +220,7 @@ impl Code {
             Code::DedupeWindowPassed => "dedupe_window_passed",
             Code::DeferredTooLong => "deferred_too_long",
             Code::LeaseExpired => "lease_expired",
+            Code::RescuedUnstarted => "rescued_unstarted",
             Code::ProviderTimeout => "provider_timeout",
             Code::ProviderConnectionLost => "provider_connection_lost",
             Code::ProviderError => "provider_error",
@@ -265,6 +269,7 @@ impl Code {
             | Code::ProviderConnectionLost
             | Code::ProviderError
             | Code::LeaseExpired
+            | Code::RescuedUnstarted
             | Code::SqlCommitUnknown => ErrorClass::Ambiguous,
             Code::PluginForbiddenCall
             | Code::PluginOutputTooLarge
@@ -307,7 +312,7 @@ impl Code {
             Code::PluginOutputTooLarge => "The plugin returned more than its output caps allow.",
             Code::PluginNotFound => "No plugin of the job's name is loaded.",
             Code::InvalidErrorCode => {
-                "The plugin returned an error code that is empty or too long."
+                "The plugin returned an error code that is empty, too long or holds characters other than ASCII letters, digits and _ . : - (the error keeps its class)."
             }
             Code::InvalidIdempotencyKey => "An effect key is empty, too long or not printable.",
             Code::DuplicateIdempotencyKey => "Two effects of one plan share a key.",
@@ -333,6 +338,9 @@ impl Code {
             }
             Code::DeferredTooLong => "The job was deferred for longer than `max_deferral`.",
             Code::LeaseExpired => "A lease expired with no attempt left.",
+            Code::RescuedUnstarted => {
+                "Claims of the job were rescued 10 times before its start was recorded: the host stops before or just after it starts (a crash, an out-of-memory kill)."
+            }
             Code::ProviderTimeout => {
                 "The provider did not answer in time after the request was sent."
             }
@@ -427,14 +435,17 @@ pub struct Failure {
 
 impl Failure {
     /// Longest message kept, in bytes; longer ones are cut at a char boundary.
-    pub const MAX_MESSAGE: usize = 2048;
+    pub const MAX_MESSAGE: usize = crate::boundary::MAX_MESSAGE;
 
-    /// A failure of the given class.
+    /// A failure of the given class. Its message is cleaned by the
+    /// boundary's rule (control characters replaced, length bounded): a
+    /// failure's message often quotes text from outside (a plugin's, a
+    /// provider's, a panic's), and it is stored and logged as it is here.
     pub fn new(class: ErrorClass, code: impl Into<String>, message: impl Into<String>) -> Self {
         Failure {
             class,
             code: code.into(),
-            message: truncate(message.into(), Self::MAX_MESSAGE),
+            message: crate::boundary::message(&message.into()),
             retry_after: None,
         }
     }

@@ -3,6 +3,7 @@
 //! each once, under its idempotency key.
 //!
 //! # Layout
+//! - [`boundary`]: the one rule set for text from outside (refused or cleaned), with its test vectors.
 //! - [`failpoint`]: failures injected on purpose (feature `failpoints`).
 //! - [`failure`]: classified failures (retryable, permanent, ambiguous + code).
 //! - [`effects`]: effects as the host sees them, and plan checks.
@@ -21,6 +22,7 @@
 //! own crate, `idem-provider-server` (`runtime/provider-server/`); the `idem`
 //! binary runs it as `idem provider-server` when the default `provider-server`
 //! feature is on. This library never depends on it otherwise.
+pub mod boundary;
 pub mod cli;
 pub mod config;
 pub mod effects;

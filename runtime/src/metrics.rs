@@ -135,6 +135,39 @@ pub fn provider_call(provider: &str, took: Duration, error_code: Option<&str>) {
     }
 }
 
+/// How long a claimed job waited in the claim-ahead buffer before a
+/// handler started it: near the lease, jobs expire before they run.
+///
+/// `idem::metrics::buffer_wait("default", std::time::Duration::from_millis(3));`
+pub fn buffer_wait(queue: &str, waited: Duration) {
+    metrics::histogram!("idem_job_buffer_wait_seconds", "queue" => queue.to_string())
+        .record(waited.as_secs_f64());
+}
+
+/// How long an attempt's outcome took from the attempt's end to its commit
+/// (queued in the group commit, then written): near the lease, finished
+/// jobs are rescued and run again.
+///
+/// `idem::metrics::outcome_commit(std::time::Duration::from_millis(2));`
+pub fn outcome_commit(took: Duration) {
+    metrics::histogram!("idem_outcome_commit_seconds").record(took.as_secs_f64());
+}
+
+/// The lease a worker claims jobs with: what buffer waits and outcome
+/// commits are compared with.
+///
+/// `idem::metrics::worker_lease(std::time::Duration::from_secs(30));`
+pub fn worker_lease(lease: Duration) {
+    metrics::gauge!("idem_worker_lease_seconds").set(lease.as_secs_f64());
+}
+
+/// Writes queued in the group commit and not yet answered.
+///
+/// `idem::metrics::store_writes_queued(0);`
+pub fn store_writes_queued(writes: usize) {
+    metrics::gauge!("idem_store_writes_queued").set(writes as f64);
+}
+
 /// The group commit flushed a batch of `writes`.
 pub fn store_batch(writes: usize) {
     metrics::histogram!("idem_store_batch_writes").record(writes as f64);

@@ -319,11 +319,31 @@ pub fn check_plan(effects: &[Effect], limits: &OutputLimits) -> Result<(), Failu
                 ),
             ));
         }
-        if effect.provider.is_empty() {
-            return Err(Failure::host(
-                Code::InvalidEffect,
-                format!("effect {:?} names no provider", effect.idempotency_key),
-            ));
+        // Names are stored (the ledger's provider, a child's plugin and
+        // queue) and logged: checked by the boundary's rule here, so a bad
+        // one fails this job, classified, and never a batch of others.
+        let names = std::iter::once(("provider", Some(effect.provider.as_str()))).chain(
+            match &effect.action {
+                Action::Enqueue { plugin, queue, .. } => {
+                    vec![
+                        ("child plugin", Some(plugin.as_str())),
+                        ("child queue", queue.as_deref()),
+                    ]
+                }
+                _ => Vec::new(),
+            },
+        );
+        for (what, name) in names {
+            let Some(name) = name else { continue };
+            if let Err(refused) = crate::boundary::name(name) {
+                return Err(Failure::host(
+                    Code::InvalidEffect,
+                    format!(
+                        "effect {:?}: the {what} {} {}",
+                        effect.idempotency_key, refused.shown, refused.why
+                    ),
+                ));
+            }
         }
     }
     Ok(())

@@ -222,18 +222,23 @@ impl HttpProvider {
         Ok((method, format!("{}{path}", self.base_url), headers, body))
     }
 
+    /// The provider's reference for what it did, cleaned by the boundary's
+    /// rule (a provider's answer is text from outside: the effect happened,
+    /// so a bad reference is cut or dropped, never a failure).
     fn result_ref(&self, headers: &HeaderMap, body: &[u8]) -> Option<String> {
-        if let Some(header) = &self.result.header {
-            return headers
+        let found = if let Some(header) = &self.result.header {
+            headers
                 .get(header)
                 .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
-        }
-        let json: serde_json::Value = serde_json::from_slice(body).ok()?;
-        match json.pointer(&self.result.json_pointer)? {
-            serde_json::Value::String(s) => Some(s.clone()),
-            other => Some(other.to_string()),
-        }
+                .map(str::to_string)
+        } else {
+            let json: serde_json::Value = serde_json::from_slice(body).ok()?;
+            match json.pointer(&self.result.json_pointer)? {
+                serde_json::Value::String(s) => Some(s.clone()),
+                other => Some(other.to_string()),
+            }
+        };
+        found.and_then(|r| crate::boundary::result_ref(&r))
     }
 }
 
@@ -360,10 +365,9 @@ fn provider_code(body: &[u8]) -> Option<String> {
         .pointer("/error/code")
         .or_else(|| json.pointer("/code"))
         .and_then(|c| c.as_str())?;
-    let sane = !code.is_empty()
-        && code.len() <= 64
-        && code.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-    sane.then(|| code.to_string())
+    crate::boundary::error_code(code)
+        .is_ok()
+        .then(|| code.to_string())
 }
 
 #[cfg(test)]
@@ -378,6 +382,30 @@ mod tests {
         );
         assert_eq!(provider_code(br#"{"code":"drop table; --"}"#), None);
         assert_eq!(provider_code(b"<html>"), None);
+        for case in crate::boundary::vectors::of("error_code") {
+            let body = serde_json::json!({ "error": { "code": case.input } }).to_string();
+            let want = (case.expected == crate::boundary::vectors::Expected::Accepted)
+                .then(|| case.input.clone());
+            assert_eq!(provider_code(body.as_bytes()), want, "{}", case.note);
+        }
+    }
+
+    #[test]
+    fn result_refs_are_cleaned_by_the_boundary_rule() {
+        use crate::boundary::vectors::{self, Expected};
+        let config: ProviderConfig =
+            toml::from_str("kind = \"http\"\nbase_url = \"http://127.0.0.1:9\"").unwrap();
+        let provider = HttpProvider::from_config("http", &config).unwrap();
+        for case in vectors::of("result_ref") {
+            let want = match case.expected {
+                Expected::Accepted => Some(case.input.clone()),
+                Expected::Cleaned(out) => out,
+                Expected::Refused => unreachable!("never refused"),
+            };
+            let body = serde_json::json!({ "id": case.input }).to_string();
+            let found = provider.result_ref(&HeaderMap::new(), body.as_bytes());
+            assert_eq!(found, want, "{}", case.note);
+        }
     }
 
     #[test]

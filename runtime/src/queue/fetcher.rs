@@ -7,8 +7,9 @@
 //! queue holds no more than one round of jobs ahead, as other nodes could
 //! run them) and at most `max_prefetch`. The buffer is refilled when half of
 //! it is used, so the handlers still have work while the claim is in flight.
-//! A job holds a slot from its claim until it is finished, so at most
-//! `concurrency + max_prefetch` jobs are held at once. The lease keeper
+//! A job holds a slot from its claim until its outcome is committed, so at
+//! most `concurrency + max_prefetch` jobs are held at once, those whose
+//! outcomes wait for the store included. The lease keeper
 //! holds every claimed job from the moment of its claim, so a buffered
 //! job's lease is extended like a running one's.
 
@@ -26,8 +27,13 @@ pub const AHEAD: Duration = Duration::from_millis(50);
 pub struct Claimed {
     /// The job.
     pub job: Job,
-    /// Its slot in the fetcher's buffer.
+    /// Its slot in the fetcher's buffer, held until the job's outcome is
+    /// committed: outcomes waiting for the group commit count against the
+    /// buffer, so claims wait while the store falls behind (back-pressure)
+    /// instead of piling claimed jobs up past their leases.
     pub slot: OwnedSemaphorePermit,
+    /// When it was claimed (its wait in the buffer is a metric).
+    pub claimed_at: Instant,
     /// Stops the job between steps: cancelled when the lease keeper finds
     /// the lease lost, or at shutdown once the grace period is over.
     pub stop: CancellationToken,
@@ -218,6 +224,7 @@ pub async fn run(
             }
         };
         let got = jobs.len();
+        let claimed_at = Instant::now();
         tracing::debug!(queue = %settings.queue, ahead, asked, got, "claimed");
         for (job, slot) in jobs.into_iter().zip(permits.drain(..)) {
             let job_stop = abort.child_token();
@@ -226,6 +233,7 @@ pub async fn run(
                 .send(Claimed {
                     job,
                     slot,
+                    claimed_at,
                     stop: job_stop,
                 })
                 .await

@@ -31,6 +31,9 @@ struct Held {
     /// its lease instead of given back (a release first would fence the
     /// outcome out and run the job again).
     recording: bool,
+    /// A handler started the attempt: its heartbeats record the start, so
+    /// a rescue charges the attempt (one never started gets it back).
+    started: bool,
 }
 
 /// The leases this worker holds.
@@ -77,6 +80,7 @@ impl LeaseKeeper {
                 extended_at: Instant::now(),
                 lost,
                 recording: false,
+                started: false,
             },
         );
     }
@@ -99,6 +103,16 @@ impl LeaseKeeper {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(h) = held.get_mut(&fence.id).filter(|h| h.fence == *fence) {
             h.recording = true;
+        }
+    }
+
+    /// Marks this attempt as started (its plugin call begins): the job's
+    /// next heartbeat records the start with the lease extension, so a
+    /// job that ends before its first heartbeat costs no write for it.
+    pub fn started(&self, fence: &JobFence) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = held.get_mut(&fence.id).filter(|h| h.fence == *fence) {
+            h.started = true;
         }
     }
 
@@ -161,13 +175,13 @@ impl LeaseKeeper {
     /// tokens of jobs whose lease was lost. Returns how many were extended.
     pub async fn round(&self, store: &dyn Store) -> Result<usize, StoreError> {
         let now = Instant::now();
-        let due: Vec<(JobFence, Duration)> = self
+        let due: Vec<(JobFence, Duration, bool)> = self
             .held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
             .filter(|h| now.duration_since(h.extended_at) >= h.current / 3)
-            .map(|h| (h.fence.clone(), h.lease))
+            .map(|h| (h.fence.clone(), h.lease, h.started))
             .collect();
         if due.is_empty() {
             return Ok(0);
@@ -175,15 +189,18 @@ impl LeaseKeeper {
         crate::failpoint::hit(crate::failpoint::Failpoint::InHeartbeat).await?;
         let writes = due
             .iter()
-            .map(|(fence, lease)| Write::Job {
+            .map(|(fence, lease, started)| Write::Job {
                 fence: fence.clone(),
-                change: JobChange::Heartbeat { lease: *lease },
+                change: JobChange::Heartbeat {
+                    lease: *lease,
+                    started: *started,
+                },
             })
             .collect();
         let answers = store.write_batch(writes).await?;
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let mut extended = 0;
-        for ((fence, lease), answer) in due.into_iter().zip(answers) {
+        for ((fence, lease, _), answer) in due.into_iter().zip(answers) {
             let Some(h) = held.get_mut(&fence.id) else {
                 continue;
             };
@@ -232,6 +249,11 @@ pub struct Hold {
 }
 
 impl Hold {
+    /// The attempt starts (see [`LeaseKeeper::started`]).
+    pub fn started(&self) {
+        self.keeper.started(&self.fence);
+    }
+
     /// The attempt's outcome is being committed (see [`LeaseKeeper::recording`]).
     pub fn recording(&self) {
         self.keeper.recording(&self.fence);

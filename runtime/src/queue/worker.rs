@@ -169,6 +169,8 @@ impl Worker {
             self.stats.idempotency_hits.load(Relaxed),
             self.stats.effects_executed.load(Relaxed),
         );
+        metrics::store_writes_queued(self.group.queued());
+        metrics::worker_lease(self.settings.lease);
     }
 
     /// The worker's counters.
@@ -314,9 +316,14 @@ impl Worker {
         // Outcomes still being committed land before any lease is given back
         // (a release first would fence the outcome out and run the job again).
         recording.close();
-        if tokio::time::timeout(Duration::from_secs(30), recording.wait())
-            .await
-            .is_err()
+        if tokio::time::timeout(Duration::from_secs(30), async {
+            recording.wait().await;
+            // Every write queued so far (an aborted handler's plan, a last
+            // heartbeat) is answered before any lease is given back.
+            self.group.flushed().await;
+        })
+        .await
+        .is_err()
         {
             tracing::warn!("outcomes still not committed after 30 s: their leases will expire");
         }
@@ -360,26 +367,30 @@ impl Worker {
                 }
             } else {
                 WorkerStats::bump(&self.stats.claimed);
-                let span = job_span(&claimed.job);
-                let hold = self
-                    .keeper
-                    .hold_until_dropped(claimed.job.fence(), idle.clone());
-                let outcome = self
-                    .process(claimed.job, claimed.stop, hold)
-                    .instrument(span.clone())
-                    .await;
-                // The job stays held (its lease extended) until its outcome
-                // committed; its slot is free for the next claim already.
-                // Without an outcome (the store failed) the hold is gone:
-                // the lease expires and the job is delivered again.
-                if let Some(outcome) = outcome {
+                let Claimed {
+                    job,
+                    slot,
+                    stop,
+                    claimed_at,
+                } = claimed;
+                metrics::buffer_wait(&job.queue, claimed_at.elapsed());
+                let span = job_span(&job);
+                let hold = self.keeper.hold_until_dropped(job.fence(), idle.clone());
+                let outcome = self.process(job, stop, hold).instrument(span.clone()).await;
+                // The job stays held (its lease extended), and keeps its
+                // slot, until its outcome committed: a store that falls
+                // behind slows the claims down instead of piling outcomes
+                // up past their leases. Without an outcome (the store
+                // failed) the hold is gone: the lease expires and the job
+                // is delivered again.
+                if let Some(mut outcome) = outcome {
+                    outcome.slot = Some(slot);
                     let _entered = span.enter();
                     self.record_later(outcome, span.clone(), &recording);
                 }
             }
             // A job held until its outcome committed wakes `idle` when its
             // hold is dropped.
-            drop(claimed.slot);
         }
     }
 
@@ -397,7 +408,9 @@ impl Worker {
         };
         outcome.hold.recording();
         let (me, recording, token) = (self.clone(), recording.clone(), recording.token());
+        let ended = Instant::now();
         self.group.write_then(write, move |answer| {
+            metrics::outcome_commit(ended.elapsed());
             let _entered = span.enter();
             me.recorded(outcome, recorded, answer, &recording, span.clone());
             drop(token);
@@ -523,6 +536,7 @@ impl Worker {
         if let Some(hook) = self.on_start.get() {
             hook(&job);
         }
+        hold.started();
         let started = Instant::now();
         let waited = Duration::from_millis(
             (chrono::Utc::now().timestamp_millis() - job.run_at_ms).max(0) as u64,
@@ -567,6 +581,7 @@ impl Worker {
             long_way,
             stop,
             hold,
+            slot: None,
         })
     }
 
@@ -828,6 +843,9 @@ struct Outcome {
     stop: CancellationToken,
     /// The job is held, its lease extended, until the outcome is dropped.
     hold: Hold,
+    /// Its slot in the claim-ahead buffer, given back with the outcome
+    /// (see [`Claimed::slot`]).
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// The span of one job: every log line of its attempt and of its recording

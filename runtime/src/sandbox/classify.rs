@@ -9,7 +9,7 @@ use super::PluginLimits;
 use super::bindings::idem::plugin::types as wit;
 use super::guest::{ForbiddenCall, MemoryCapExceeded};
 use crate::effects::{self, Action, Effect, EmailTemplate, OutputLimits};
-use crate::failure::{Code, Failure, truncate};
+use crate::failure::{Code, ErrorClass, Failure, truncate};
 use std::time::Duration;
 use wasmtime::Trap;
 
@@ -131,14 +131,20 @@ pub fn plugin_error(error: wit::JobError, limits: &OutputLimits) -> Failure {
             format!("the plugin returned a {size}-byte error, at most {MAX_ERROR_MESSAGE} allowed"),
         );
     }
-    if code.is_empty() || code.len() > 64 {
-        return Failure::host(
-            Code::InvalidErrorCode,
-            format!(
-                "the plugin returned an error code of {} bytes (1..=64 allowed)",
-                code.len()
-            ),
-        );
+    if let Err(refused) = crate::boundary::error_code(code) {
+        // The plugin still said whether to try again: its class stands,
+        // its code is replaced by the catalog's, its message is kept
+        // (cleaned by `Failure::new`).
+        let (class, retry_after) = match &error {
+            wit::JobError::Retryable(e) => (ErrorClass::Retryable, e.retry_after_ms),
+            wit::JobError::Permanent(_) => (ErrorClass::Permanent, None),
+        };
+        return Failure::new(
+            class,
+            Code::InvalidErrorCode.as_str(),
+            format!("the plugin's {refused}; its message: {message}"),
+        )
+        .with_retry_after(retry_after.map(Duration::from_millis));
     }
     match error {
         wit::JobError::Retryable(e) => Failure::retryable(e.code, e.message)

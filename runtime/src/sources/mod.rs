@@ -343,7 +343,8 @@ pub async fn ingest(
             .map(|key| match &source.config.key_prefix {
                 Some(prefix) => format!("{prefix}{key}"),
                 None => key,
-            });
+            })
+            .and_then(checked_key);
         match key {
             Ok(key) => {
                 let job = source.job(message.payload.clone(), Some(key.clone()));
@@ -415,6 +416,23 @@ pub async fn ingest(
     crate::metrics::source_messages(&source.name, "dead_on_arrival", report.dead_on_arrival);
     failpoint::hit(Failpoint::AfterInsertBeforeAck).await?;
     Ok(report)
+}
+
+/// The job key a message gets, as stored (its prefix included), checked by
+/// the boundary's key rule: a key that passed the rule before its prefix
+/// was added can be too long after, and a job the store refuses would fail
+/// its whole batch, and the broker would deliver the batch again, for ever.
+fn checked_key(key: String) -> Result<String, (Code, String)> {
+    match crate::boundary::idempotency_key(&key) {
+        Ok(()) => Ok(key),
+        Err(refused) => Err((
+            Code::MessageKeyInvalid,
+            format!(
+                "the job key (the source's key_prefix and the message's key) {} {}",
+                refused.shown, refused.why
+            ),
+        )),
+    }
 }
 
 /// The identity of a message kept dead on arrival: a redelivery of it

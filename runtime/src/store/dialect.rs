@@ -66,10 +66,17 @@ pub(crate) struct Dialect {
     /// PostgreSQL estimate of one row found makes it re-read the whole row
     /// set for every row (a nested loop over the row set).
     pub fence_eq: fn(column: &str, value: &str, key: &str) -> String,
-    /// `id` is one of the ids a subquery selects, written so the database
-    /// looks each one up by its primary key (PostgreSQL plans `IN` as a
-    /// join, and a hash join reads the whole table on every claim).
-    pub ids_in: fn(subquery: &str) -> String,
+    /// `column` (a primary key) is one of the values a subquery selects,
+    /// written so the database runs the subquery once and looks each value
+    /// up by its key (PostgreSQL plans `IN` as a join: a hash join reads
+    /// the whole table on every claim, and a join may re-run a `LIMIT`ed
+    /// subquery and so change more rows than the limit).
+    ///
+    /// Under READ COMMITTED, PostgreSQL re-checks only the target row's
+    /// own conditions when a row changed while the statement waited for
+    /// its lock, never the subquery's: a statement that picks rows by a
+    /// condition repeats that condition outside the subquery.
+    pub ids_in: fn(column: &str, subquery: &str) -> String,
     /// A condition (with a trailing `AND`, or nothing) that the first
     /// column of a row set bound at `$1` holds `column`, so the database
     /// finds the rows to change by their key instead of joining the whole

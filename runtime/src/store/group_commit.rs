@@ -16,15 +16,30 @@
 //! so a write that must be durable before the next step (a plan before its
 //! first effect, a ledger claim before the provider call) is. Reads, claims
 //! and enqueues pass straight through.
+//!
+//! Two more rules keep one caller's trouble from reaching the others:
+//! - **Heartbeats go first.** Each lane has an urgent queue for lease
+//!   extensions, flushed before the next batch of other writes, so a
+//!   backlog of outcomes never delays the heartbeats that keep their jobs'
+//!   leases (an extension after a job's finish is fenced out, so they need
+//!   no order with outcomes).
+//! - **A bad write fails only itself.** A batch the database refuses for
+//!   something other than a transient fault (a value it cannot store, a
+//!   trigger that raises) is split in halves and committed again until the
+//!   offending write stands alone; it alone gets the error, classified, and
+//!   every other write its own answer. A flush that panics answers its
+//!   writes with the error and the flusher goes on.
 
 use super::{
     BackendKind, ClaimParams, EffectPruneParams, EffectRecord, Enqueued, Job, JobFilter, JobId,
     NewJob, PruneParams, QueueStats, Replayed, Resolution, Result, StatementOutcome,
     StatementParams, Store, StoreError, Write, Written,
 };
+use futures::FutureExt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 
 /// Settings of the flusher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +133,53 @@ fn lane_of(write: &Write, lanes: usize) -> usize {
 struct Pending {
     write: Write,
     reply: Reply,
+    /// Counts the write as queued until it is answered (or dropped).
+    queued: Queued,
+}
+
+/// Writes queued and not yet answered, shared by every lane, with a wake-up
+/// for [`GroupCommit::flushed`] when the count falls to zero.
+#[derive(Default)]
+struct Backlog {
+    writes: AtomicUsize,
+    empty: Notify,
+}
+
+/// One queued write's share of the [`Backlog`], given back when dropped.
+struct Queued(Arc<Backlog>);
+
+impl Queued {
+    fn new(backlog: &Arc<Backlog>) -> Self {
+        backlog.writes.fetch_add(1, Ordering::SeqCst);
+        Queued(backlog.clone())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if self.0.writes.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.empty.notify_waiters();
+        }
+    }
+}
+
+/// A lane's two queues (see the module's documentation).
+struct Lane {
+    /// Lease extensions.
+    urgent: mpsc::UnboundedSender<Pending>,
+    /// Everything else.
+    normal: mpsc::UnboundedSender<Pending>,
+}
+
+/// Whether `write` goes to its lane's urgent queue.
+fn is_urgent(write: &Write) -> bool {
+    matches!(
+        write,
+        Write::Job {
+            change: super::JobChange::Heartbeat { .. },
+            ..
+        }
+    )
 }
 
 /// Who learns a write's answer.
@@ -177,8 +239,9 @@ impl Drop for Then {
 /// ```
 pub struct GroupCommit {
     inner: Arc<dyn Store>,
-    /// One queue per lane.
-    queues: Vec<mpsc::UnboundedSender<Pending>>,
+    /// One pair of queues per lane.
+    queues: Vec<Lane>,
+    backlog: Arc<Backlog>,
     flushers: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
@@ -198,16 +261,47 @@ impl GroupCommit {
         let lanes = lanes_for(inner.backend(), settings.lanes);
         let (queues, flushers) = (0..lanes)
             .map(|_| {
-                let (queue, pending) = mpsc::unbounded_channel();
-                let flusher = tokio::spawn(flush_forever(inner.clone(), pending, settings));
-                (queue, flusher)
+                let (urgent, urgent_pending) = mpsc::unbounded_channel();
+                let (normal, pending) = mpsc::unbounded_channel();
+                let flusher = tokio::spawn(flush_forever(
+                    inner.clone(),
+                    urgent_pending,
+                    pending,
+                    settings,
+                ));
+                (Lane { urgent, normal }, flusher)
             })
             .unzip();
         Arc::new(GroupCommit {
             inner,
             queues,
+            backlog: Arc::default(),
             flushers: Mutex::new(flushers),
         })
+    }
+
+    /// Writes queued and not yet answered, over every lane: the group
+    /// commit's backlog (the `idem_store_writes_queued` gauge).
+    ///
+    /// `assert_eq!(group.queued(), 0);`
+    pub fn queued(&self) -> usize {
+        self.backlog.writes.load(Ordering::SeqCst)
+    }
+
+    /// Waits until every write queued so far is answered: how shutdown
+    /// lets queued outcomes land before leases are given back.
+    ///
+    /// `group.flushed().await;`
+    pub async fn flushed(&self) {
+        loop {
+            let empty = self.backlog.empty.notified();
+            tokio::pin!(empty);
+            empty.as_mut().enable();
+            if self.queued() == 0 {
+                return;
+            }
+            empty.await;
+        }
     }
 
     /// Lanes committing at once (see [`GroupCommitSettings::lanes`]).
@@ -219,13 +313,22 @@ impl GroupCommit {
 
     /// Queues a write in its lane; a stopped flusher answers it with
     /// [`StoreError::WriterStopped`] at once.
-    fn queue(&self, pending: Pending) {
-        let lane = lane_of(&pending.write, self.queues.len());
+    fn queue(&self, write: Write, reply: Reply) {
+        let lane = lane_of(&write, self.queues.len());
+        let urgent = is_urgent(&write);
+        let pending = Pending {
+            write,
+            reply,
+            queued: Queued::new(&self.backlog),
+        };
         let refused = match self.queues.get(lane) {
-            Some(queue) => match queue.send(pending) {
-                Ok(()) => None,
-                Err(mpsc::error::SendError(pending)) => Some(pending),
-            },
+            Some(lane) => {
+                let queue = if urgent { &lane.urgent } else { &lane.normal };
+                match queue.send(pending) {
+                    Ok(()) => None,
+                    Err(mpsc::error::SendError(pending)) => Some(pending),
+                }
+            }
             None => Some(pending),
         };
         if let Some(pending) = refused {
@@ -249,11 +352,7 @@ impl GroupCommit {
         if let Err(error) = super::input::check_write(&write) {
             return then.call(Err(error));
         }
-        let pending = Pending {
-            write,
-            reply: Reply::Then(then),
-        };
-        self.queue(pending);
+        self.queue(write, Reply::Then(then));
     }
 
     /// Stops the flushers at once, as a crash would: queued writes are not
@@ -273,12 +372,50 @@ impl GroupCommit {
 
 async fn flush_forever(
     store: Arc<dyn Store>,
+    mut urgent: mpsc::UnboundedReceiver<Pending>,
     mut pending: mpsc::UnboundedReceiver<Pending>,
     settings: GroupCommitSettings,
 ) {
     let max_batch = settings.max_batch.max(1);
     let mut batch: Vec<Pending> = Vec::with_capacity(max_batch);
-    while let Some(first) = pending.recv().await {
+    let mut urgent_open = true;
+    loop {
+        // Lease extensions first, in a batch of their own: a flush of many
+        // outcomes must not hold them up.
+        while batch.len() < max_batch {
+            match urgent.try_recv() {
+                Ok(next) => batch.push(next),
+                Err(_) => break,
+            }
+        }
+        if !batch.is_empty() {
+            commit(&*store, std::mem::take(&mut batch)).await;
+            continue;
+        }
+        let first = tokio::select! {
+            biased;
+            next = urgent.recv(), if urgent_open => match next {
+                Some(next) => {
+                    batch.push(next);
+                    continue;
+                }
+                None => {
+                    urgent_open = false;
+                    continue;
+                }
+            },
+            next = pending.recv() => next,
+        };
+        let Some(first) = first else {
+            // Every sender is gone: commit the urgent writes left, then end.
+            while let Some(next) = urgent.recv().await {
+                batch.push(next);
+            }
+            if !batch.is_empty() {
+                commit(&*store, batch).await;
+            }
+            return;
+        };
         batch.push(first);
         while batch.len() < max_batch {
             match pending.try_recv() {
@@ -298,23 +435,69 @@ async fn flush_forever(
                 }
             }
         }
-        let (writes, replies): (Vec<Write>, Vec<_>) =
-            batch.drain(..).map(|p| (p.write, p.reply)).unzip();
-        crate::metrics::store_batch(writes.len());
-        match store.write_batch(writes).await {
-            Ok(answers) => {
-                for (reply, answer) in replies.into_iter().zip(answers) {
-                    reply.send(Ok(answer));
-                }
-            }
-            Err(error) => {
-                let error = Arc::new(error);
-                for reply in replies {
-                    reply.send(Err(StoreError::Batch(error.clone())));
-                }
-            }
-        }
+        commit(&*store, std::mem::take(&mut batch)).await;
     }
+}
+
+/// Commits one batch and answers each of its writes.
+async fn commit(store: &dyn Store, batch: Vec<Pending>) {
+    crate::metrics::store_batch(batch.len());
+    let (writes, replies): (Vec<Write>, Vec<Pending>) =
+        batch.into_iter().map(|p| (p.write.clone(), p)).unzip();
+    let answers = commit_isolated(store, writes).await;
+    for (pending, answer) in replies.into_iter().zip(answers) {
+        pending.reply.send(answer);
+        drop(pending.queued);
+    }
+}
+
+/// Commits `writes` as one batch; when the database refuses it for
+/// something other than a transient fault, commits each half again, down
+/// to the write at fault, so only that write gets the error. A transient
+/// failure fails the whole batch (every write may be tried again). One
+/// answer per write, in order.
+fn commit_isolated<'a>(
+    store: &'a dyn Store,
+    writes: Vec<Write>,
+) -> futures::future::BoxFuture<'a, Vec<Result<Written>>> {
+    async move {
+        let n = writes.len();
+        let tried = std::panic::AssertUnwindSafe(store.write_batch(writes.clone()))
+            .catch_unwind()
+            .await;
+        let error = match tried {
+            Ok(Ok(answers)) if answers.len() == n => {
+                return answers.into_iter().map(Ok).collect();
+            }
+            Ok(Ok(answers)) => StoreError::Invalid(format!(
+                "the store answered {} writes of {n}",
+                answers.len()
+            )),
+            Ok(Err(error)) => error,
+            Err(panic) => {
+                let why = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                tracing::error!(panic = ?why, writes = n, "a flush panicked; its writes fail and the flusher goes on");
+                StoreError::Invalid(format!("the flush panicked: {why}"))
+            }
+        };
+        if n <= 1 || error.is_transient() {
+            let error = Arc::new(error);
+            return (0..n)
+                .map(|_| Err(StoreError::Batch(error.clone())))
+                .collect();
+        }
+        tracing::warn!(%error, writes = n, "a batch was refused; committing its halves apart to find the write at fault");
+        let mut first = writes;
+        let second = first.split_off(n / 2);
+        let mut answers = commit_isolated(store, first).await;
+        answers.extend(commit_isolated(store, second).await);
+        answers
+    }
+    .boxed()
 }
 
 #[async_trait::async_trait]
@@ -354,10 +537,7 @@ impl Store for GroupCommit {
         let mut answers = Vec::with_capacity(writes.len());
         for write in writes {
             let (reply, answer) = oneshot::channel();
-            self.queue(Pending {
-                write,
-                reply: Reply::Wait(reply),
-            });
+            self.queue(write, Reply::Wait(reply));
             answers.push(answer);
         }
         let mut written = Vec::with_capacity(answers.len());
@@ -465,6 +645,7 @@ mod tests {
                 id,
                 JobChange::Heartbeat {
                     lease: Duration::from_secs(30),
+                    started: false,
                 },
             );
             let release = job_write(id, JobChange::Release);

@@ -4,7 +4,6 @@ use super::{
     EffectChange, EffectClaimParams, EffectStatus, ErrorRecord, JobChange, MAX_PAYLOAD_BYTES,
     NewJob, Result, StoreError, Write,
 };
-use crate::failure::{Failure, truncate};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
@@ -32,22 +31,16 @@ pub(crate) struct Insertable {
 
 /// Validates a job and fills in the generated fields.
 pub(crate) fn insertable(job: NewJob) -> Result<Insertable> {
-    if job.queue.is_empty() {
-        return Err(StoreError::Invalid("queue name is empty".into()));
-    }
-    if job.plugin.is_empty() {
-        return Err(StoreError::Invalid("plugin name is empty".into()));
-    }
+    let refused = |what: &str, r: crate::boundary::Refused| {
+        StoreError::Invalid(format!("{what}: {} {}", r.shown, r.why))
+    };
+    crate::boundary::name(&job.queue).map_err(|r| refused("queue name", r))?;
+    crate::boundary::name(&job.plugin).map_err(|r| refused("plugin name", r))?;
     if job.payload.len() > MAX_PAYLOAD_BYTES {
         return Err(StoreError::Invalid(format!(
             "payload is {} bytes, at most {MAX_PAYLOAD_BYTES} allowed: store large data elsewhere and enqueue a reference",
             job.payload.len()
         )));
-    }
-    if job.queue.len() > 128 || job.plugin.len() > 128 {
-        return Err(StoreError::Invalid(
-            "queue and plugin names are at most 128 bytes".into(),
-        ));
     }
     if job.max_attempts == 0 {
         return Err(StoreError::Invalid(
@@ -58,10 +51,10 @@ pub(crate) fn insertable(job: NewJob) -> Result<Insertable> {
         check_key(key)?;
     }
     let correlation_id = match job.correlation_id {
-        Some(id) if id.is_empty() => {
-            return Err(StoreError::Invalid("correlation id is empty".into()));
+        Some(id) => {
+            crate::boundary::correlation_id(&id).map_err(|r| refused("correlation id", r))?;
+            id
         }
-        Some(id) => id,
         None => hex::encode(rand::random::<[u8; 16]>()),
     };
     Ok(Insertable {
@@ -85,7 +78,12 @@ pub(crate) fn millis(d: Duration) -> i64 {
 /// database clock when written), with the message bounded.
 pub(crate) fn error_json(error: &ErrorRecord) -> Result<(String, String, String)> {
     let mut record = error.clone();
-    record.message = truncate(record.message, Failure::MAX_MESSAGE);
+    // Codes reach the store from the host's catalog or through the
+    // boundary's checks; one that did not is refused here, alone (it would
+    // otherwise fail its whole batch on PostgreSQL).
+    crate::boundary::error_code(&record.code)
+        .map_err(|r| StoreError::Invalid(format!("error code {} {}", r.shown, r.why)))?;
+    record.message = crate::boundary::message(&record.message);
     let json = serde_json::to_string(&record)
         .map_err(|e| StoreError::Invalid(format!("error record does not serialise: {e}")))?;
     Ok((json, record.code, record.message))

@@ -32,6 +32,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     3 => "0003_clock.sql",
     4 => "0004_unknown_outcomes.sql",
     5 => "0005_fewer_index_writes.sql",
+    6 => "0006_started_attempts.sql",
 );
 
 /// The PostgreSQL schema.
@@ -42,6 +43,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     4 => "0004_unknown_outcomes.sql",
     5 => "0005_notify_per_statement.sql",
     6 => "0006_fewer_index_writes.sql",
+    7 => "0007_started_attempts.sql",
 );
 
 impl Embedded {

@@ -174,6 +174,14 @@ pub struct Job {
     pub plan_hash: Option<String>,
     /// Times the lease expired and the job was rescued.
     pub rescues: u32,
+    /// Whether this attempt's plugin call is known to have begun (recorded
+    /// with a heartbeat, or implied by a stored plan); `false` from the
+    /// claim until then. A rescue of an attempt that never started gives
+    /// the attempt back.
+    pub started: bool,
+    /// Rescues of attempts that never started (see
+    /// [`MAX_UNSTARTED_RESCUES`]).
+    pub unstarted_rescues: u32,
     /// Created, ms.
     pub created_at_ms: i64,
     /// Updated, ms.
@@ -592,6 +600,13 @@ pub enum Write {
     },
 }
 
+/// Rescues of claims that never started a job may take before the job is
+/// dead with `rescued_unstarted`: each such rescue gives the attempt back
+/// (a crash must not charge the jobs a worker had claimed ahead), and the
+/// bound still ends a job whose start kills its host every time before
+/// the start is recorded.
+pub const MAX_UNSTARTED_RESCUES: u32 = 10;
+
 /// The state changes of a running job: the only ways a worker moves a job.
 #[derive(Debug, Clone)]
 pub enum JobChange {
@@ -599,6 +614,9 @@ pub enum JobChange {
     Heartbeat {
         /// New lease length.
         lease: Duration,
+        /// The attempt's plugin call has begun: from now on a rescue of
+        /// this attempt charges it (see [`Job::started`]).
+        started: bool,
     },
     /// Stores the plan (unless one is stored already) and the plugin version.
     SavePlan {

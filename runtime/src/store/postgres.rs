@@ -53,7 +53,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     fence_eq: |column, value, key| {
         format!("{column} = CASE WHEN t.{key} IS NULL THEN NULL ELSE '{value}' END")
     },
-    ids_in: |subquery| format!("id = ANY(ARRAY({subquery}))"),
+    ids_in: |column, subquery| format!("{column} = ANY(ARRAY({subquery}))"),
     row_keys: |column, ty| format!("{column} = ANY($1::{}[]) AND ", array_type(ty)),
     json_param: |param| format!("({param})::jsonb"),
     json_object: |pairs| format!("jsonb_build_object({pairs})"),

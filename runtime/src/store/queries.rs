@@ -4,14 +4,14 @@
 //! (batched writes) read it as the FROM item `t` and take no other
 //! parameter.
 
-use super::ERROR_HISTORY;
 use super::dialect::{ColType, Dialect};
+use super::{ERROR_HISTORY, MAX_UNSTARTED_RESCUES};
 use crate::failure::Code;
 
 const JOB_COLS: &str = "id, queue, plugin, payload, idempotency_key, priority, run_at, state, \
     attempt, max_attempts, lease_owner, lease_until, heartbeat_at, last_error_code, \
     last_error_message, {errors} AS errors, correlation_id, plugin_hash, plan, plan_hash, rescues, \
-    created_at, updated_at, finished_at, first_failed_at, last_failed_at, deferred_since, \
+    started, unstarted_rescues, created_at, updated_at, finished_at, first_failed_at, last_failed_at, deferred_since, \
     interruptions";
 
 const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, attempt, \
@@ -175,10 +175,27 @@ impl Queries {
                 EFFECT_FENCE_COLS.iter().chain(extra).copied().collect();
             (d.rows)(&cols)
         };
+        // A rescue of an attempt that started charges it (dead once the
+        // attempts are used up, `lease_expired`); one of a claim that never
+        // started gives it back (dead at the bound, `rescued_unstarted`).
         let lease_expired = Code::LeaseExpired.as_str();
-        let lease_expired_record = (d.json_object)(&format!(
-            "'attempt', attempt, 'class', 'ambiguous', 'code', '{lease_expired}', \
-             'message', 'the lease expired before the attempt finished', 'at_ms', 0"
+        let rescued_unstarted = Code::RescuedUnstarted.as_str();
+        let dead = format!(
+            "((started = 0 AND unstarted_rescues + 1 >= {MAX_UNSTARTED_RESCUES}) \
+              OR (started <> 0 AND attempt >= max_attempts))"
+        );
+        let refund = format!("(started = 0 AND unstarted_rescues + 1 < {MAX_UNSTARTED_RESCUES})");
+        let rescue_code = format!(
+            "(CASE WHEN started = 0 THEN '{rescued_unstarted}' ELSE '{lease_expired}' END)"
+        );
+        let rescue_message = format!(
+            "(CASE WHEN started = 0 THEN 'rescued {MAX_UNSTARTED_RESCUES} times before its start \
+              was recorded: the host stops before or just after this job starts' \
+              ELSE 'the lease expired before the attempt finished' END)"
+        );
+        let rescue_record = (d.json_object)(&format!(
+            "'attempt', attempt, 'class', 'ambiguous', 'code', {rescue_code}, \
+             'message', {rescue_message}, 'at_ms', 0"
         ));
         Queries {
             job_insert: x(
@@ -229,10 +246,12 @@ impl Queries {
             )),
             job_claim: x(&format!(
                 "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = $1, \
-                     lease_until = {{now}} + $2, heartbeat_at = {{now}}, updated_at = {{now}} \
+                     lease_until = {{now}} + $2, heartbeat_at = {{now}}, started = 0, \
+                     updated_at = {{now}} \
                  WHERE {picked} \
                  RETURNING {{job_cols}}",
                 picked = (d.ids_in)(
+                    "id",
                     "SELECT id FROM jobs \
                      WHERE queue = $3 AND state IN ('available', 'retrying') AND run_at <= {now} \
                      ORDER BY priority DESC, run_at, id \
@@ -242,15 +261,15 @@ impl Queries {
             running_in_queue: x("SELECT count(*) FROM jobs WHERE state = 'running' AND queue = $1"),
             job_heartbeat: x(&format!(
                 "UPDATE jobs SET lease_until = {{now}} + t.lease, heartbeat_at = {{now}}, \
-                     updated_at = {{now}} \
+                     started = {{greatest}}(jobs.started, t.started), updated_at = {{now}} \
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
-                rows = job_rows(&[("lease", Int)]),
+                rows = job_rows(&[("lease", Int), ("started", Int)]),
             )),
             // A redelivered job keeps its first plan.
             job_save_plan: x(&format!(
                 "UPDATE jobs SET plan = COALESCE(jobs.plan, t.plan), \
                      plan_hash = CASE WHEN jobs.plan IS NULL THEN t.hash ELSE jobs.plan_hash END, \
-                     plugin_hash = t.hash, updated_at = {{now}} \
+                     plugin_hash = t.hash, started = 1, updated_at = {{now}} \
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
                 rows = job_rows(&[("plan", Text), ("hash", Text)]),
             )),
@@ -308,23 +327,30 @@ impl Queries {
                 "SELECT id, payload FROM jobs WHERE id IN ({ids})",
                 ids = (d.int_list)("$1"),
             )),
+            // The conditions that pick the rows are repeated outside the
+            // subquery: a job that finished, or was claimed again, while
+            // this statement waited for its lock is left alone (see
+            // `Dialect::ids_in`). Locked rows are skipped: their holder is
+            // writing them now, and the next rescue sees them.
             job_rescue: x(&format!(
                 "UPDATE jobs SET \
-                     state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'available' END, \
-                     run_at = CASE WHEN attempt >= max_attempts THEN run_at ELSE {{now}} END, \
-                     finished_at = CASE WHEN attempt >= max_attempts THEN {{now}} ELSE NULL END, \
+                     state = CASE WHEN {dead} THEN 'dead' ELSE 'available' END, \
+                     run_at = CASE WHEN {dead} THEN run_at ELSE {{now}} END, \
+                     finished_at = CASE WHEN {dead} THEN {{now}} ELSE NULL END, \
+                     attempt = CASE WHEN {refund} THEN {{greatest}}(attempt - 1, 0) \
+                         ELSE attempt END, \
+                     unstarted_rescues = unstarted_rescues \
+                         + CASE WHEN started = 0 THEN 1 ELSE 0 END, \
                      rescues = rescues + 1, lease_owner = NULL, lease_until = NULL, \
                      {record}, updated_at = {{now}} \
-                 WHERE id IN (\
-                     SELECT id FROM jobs WHERE state = 'running' AND lease_until < {{now}} \
-                     ORDER BY lease_until LIMIT $1) \
+                 WHERE {picked} AND state = 'running' AND lease_until < {{now}} \
                  RETURNING id",
-                record = record_error(
-                    "attempt >= max_attempts",
-                    &lease_expired_record,
-                    &format!("'{lease_expired}'"),
-                    "'the lease expired before the attempt finished'"
+                picked = (d.ids_in)(
+                    "id",
+                    "SELECT id FROM jobs WHERE state = 'running' AND lease_until < {now} \
+                     ORDER BY lease_until LIMIT $1 {skip_locked}"
                 ),
+                record = record_error(&dead, &rescue_record, &rescue_code, &rescue_message),
             )),
             plans_of_dead: x(&format!(
                 "SELECT id, plan FROM jobs WHERE state = 'dead' AND id IN ({ids})",
@@ -338,8 +364,8 @@ impl Queries {
                 keys = (d.text_list)("$1"),
             )),
             jobs_replay: x(&format!(
-                "UPDATE jobs SET state = 'available', attempt = 0, run_at = {{now}}, \
-                     finished_at = NULL, lease_owner = NULL, lease_until = NULL, \
+                "UPDATE jobs SET state = 'available', attempt = 0, unstarted_rescues = 0, \
+                     run_at = {{now}}, finished_at = NULL, lease_owner = NULL, lease_until = NULL, \
                      deferred_since = NULL, \
                      updated_at = {{now}} \
                  WHERE state = 'dead' AND id IN ({ids})",
@@ -394,13 +420,23 @@ impl Queries {
                  WHERE id = $1 AND state IN ('available', 'retrying')"),
             // `$3` is the smaller retention, so the index on finished_at
             // bounds the scan.
-            jobs_prune: x("DELETE FROM jobs WHERE id IN (\
-                     SELECT id FROM jobs \
+            // The conditions are repeated outside the subquery, so a row
+            // that changed while this statement waited is left alone (see
+            // `Dialect::ids_in`).
+            jobs_prune: x(&format!(
+                "DELETE FROM jobs WHERE {picked} \
+                   AND ((state IN ('succeeded', 'cancelled') AND finished_at < {{now}} - $1) \
+                        OR (state = 'dead' AND finished_at < {{now}} - $2))",
+                picked = (d.ids_in)(
+                    "id",
+                    "SELECT id FROM jobs \
                      WHERE state IN ('succeeded', 'dead', 'cancelled') \
                        AND finished_at < {now} - $3 \
                        AND ((state IN ('succeeded', 'cancelled') AND finished_at < {now} - $1) \
                             OR (state = 'dead' AND finished_at < {now} - $2)) \
-                     ORDER BY finished_at LIMIT $4 {skip_locked})"),
+                     ORDER BY finished_at LIMIT $4 {skip_locked}"
+                ),
+            )),
             dead_payloads: x(&format!(
                 "SELECT id, payload FROM jobs WHERE state = 'dead' AND id IN ({ids})",
                 ids = (d.int_list)("$1"),
@@ -408,12 +444,24 @@ impl Queries {
             job_set_payload: x(
                 "UPDATE jobs SET payload = $2, updated_at = {now} WHERE id = $1 AND state = 'dead'",
             ),
-            effects_prune: x("DELETE FROM effects WHERE key IN (\
-                     SELECT key FROM effects \
+            // As `jobs_prune`: a row taken over (`processing`) or touched
+            // while this statement waited is left alone. The job check is
+            // repeated too: a replay that made the job runnable again
+            // keeps its ledger.
+            effects_prune: x(&format!(
+                "DELETE FROM effects WHERE {picked} \
+                   AND status <> 'processing' AND updated_at < {{now}} - $1 \
+                   AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.id = effects.job_id \
+                                   AND jobs.state <> 'succeeded')",
+                picked = (d.ids_in)(
+                    "key",
+                    "SELECT key FROM effects \
                      WHERE status <> 'processing' AND updated_at < {now} - $1 \
                        AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.id = effects.job_id \
                                        AND jobs.state <> 'succeeded') \
-                     ORDER BY updated_at LIMIT $2)"),
+                     ORDER BY updated_at LIMIT $2 {skip_locked}"
+                ),
+            )),
             stats_counts: x(&counts_by_state("", "")),
             stats_counts_queue: x(&counts_by_state("AND queue = $1", "")),
             stats_ready: x(
@@ -451,9 +499,10 @@ impl Queries {
             // other instead of deadlocking.
             effect_insert: x(&format!(
                 "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
-                     lease_owner, lease_until, created_at, updated_at, first_sent_at) \
+                     lease_owner, lease_until, created_at, updated_at, first_sent_at, \
+                     claim_job, claim_attempt) \
                  SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'processing', 1, \
-                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}} \
+                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}}, t.job_id, t.job_attempt \
                  FROM {rows} WHERE true ORDER BY t.key \
                  ON CONFLICT (key) DO NOTHING RETURNING key, attempt",
                 rows = (d.rows)(&CLAIM_COLS),
@@ -462,20 +511,28 @@ impl Queries {
             // is taken over by a conditional update. A `processing` row's
             // holder vanished mid-call: its try may have reached the
             // provider, so the row is marked reached, and the claimer learns
-            // from `reached` that the outcome so far is unknown.
+            // from `reached` that the outcome so far is unknown. A
+            // `processing` row of this very claim (same job, attempt and
+            // lease owner: its insert committed but the batch answered an
+            // error, and the claimer asks again) was never sent: it is the
+            // same claim, taken again without a mark.
             effect_take_over: x(&format!(
                 "UPDATE effects SET status = 'processing', attempt = effects.attempt + 1, \
                      lease_owner = t.owner, lease_until = {{now}} + t.lease, updated_at = {{now}}, \
-                     reached = CASE WHEN effects.status = 'processing' THEN 1 \
+                     reached = CASE WHEN effects.status = 'processing' AND NOT {same} THEN 1 \
                          ELSE effects.reached END, \
+                     claim_job = t.job_id, claim_attempt = t.job_attempt, \
                      first_sent_at = COALESCE(effects.first_sent_at, {{now}}) \
                  FROM {rows} \
                  WHERE {{effect_keys}}effects.key = t.key AND effects.fingerprint = t.fingerprint \
                    AND effects.status NOT IN ('succeeded', 'failed') \
-                   AND (effects.status <> 'processing' OR COALESCE(effects.lease_until, 0) < {{now}}) \
+                   AND (effects.status <> 'processing' \
+                        OR COALESCE(effects.lease_until, 0) < {{now}} OR {same}) \
                  RETURNING effects.key, effects.attempt, effects.reached, \
                      {{now}} - effects.first_sent_at AS sent_ago",
                 rows = (d.rows)(&CLAIM_COLS),
+                same = "(effects.claim_job = t.job_id AND effects.claim_attempt = t.job_attempt \
+                         AND effects.lease_owner = t.owner)",
             )),
             effect_read: x(&format!(
                 "SELECT key, fingerprint, status, lease_until, result_ref, last_error_code, \
@@ -539,7 +596,7 @@ impl Queries {
 }
 
 /// Columns of an effect claim, in row-set order.
-pub(crate) const CLAIM_COLS: [(&str, ColType); 7] = [
+pub(crate) const CLAIM_COLS: [(&str, ColType); 8] = [
     ("key", Text),
     ("job_id", Int),
     ("plugin", Text),
@@ -547,6 +604,7 @@ pub(crate) const CLAIM_COLS: [(&str, ColType); 7] = [
     ("fingerprint", Text),
     ("owner", Text),
     ("lease", Int),
+    ("job_attempt", Int),
 ];
 
 /// Columns of a ledger row written as succeeded, in row-set order.

@@ -77,6 +77,8 @@ where
         plan: get(row, "plan")?,
         plan_hash: get(row, "plan_hash")?,
         rescues: count(row, "rescues")?,
+        started: count(row, "started")? != 0,
+        unstarted_rescues: count(row, "unstarted_rescues")?,
         created_at_ms: get(row, "created_at")?,
         updated_at_ms: get(row, "updated_at")?,
         finished_at_ms: get(row, "finished_at")?,

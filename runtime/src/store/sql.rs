@@ -1632,10 +1632,15 @@ fn job_row_set(kind: JobKind, writes: &[JobItem]) -> Result<RowSet> {
     };
     let part = |w: &JobItem, i: usize| w.error.as_ref().map(|e| [&e.0, &e.1, &e.2][i].clone());
     Ok(match kind {
-        JobKind::Heartbeat => rows.ints(writes.iter().map(|w| match &w.change {
-            JobChange::Heartbeat { lease } => input::millis(*lease),
-            _ => 0,
-        })),
+        JobKind::Heartbeat => rows
+            .ints(writes.iter().map(|w| match &w.change {
+                JobChange::Heartbeat { lease, .. } => input::millis(*lease),
+                _ => 0,
+            }))
+            .ints(writes.iter().map(|w| match &w.change {
+                JobChange::Heartbeat { started, .. } => i64::from(*started),
+                _ => 0,
+            })),
         JobKind::SavePlan => rows
             .opt_texts(writes.iter().map(|w| match &w.change {
                 JobChange::SavePlan { plan, .. } => Some(plan.clone()),
@@ -1685,6 +1690,7 @@ fn claim_row_set(claims: &[ClaimItem]) -> RowSet {
         .texts(claims.iter().map(|c| c.params.fingerprint.clone()))
         .texts(claims.iter().map(|c| c.params.worker.clone()))
         .ints(claims.iter().map(|c| input::millis(c.params.lease)))
+        .ints(claims.iter().map(|c| i64::from(c.params.job_attempt)))
 }
 
 /// The row set of one statement of effect writes.
@@ -1920,6 +1926,7 @@ mod postgres_plans {
                 JobKind::Heartbeat,
                 JobChange::Heartbeat {
                     lease: Duration::from_secs(30),
+                    started: true,
                 },
             ),
             (

@@ -41,7 +41,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     lock_jobs: "",
     greatest: "max",
     fence_eq: |column, value, _| format!("+{column} = '{value}'"),
-    ids_in: |subquery| format!("id IN ({subquery})"),
+    ids_in: |column, subquery| format!("{column} IN ({subquery})"),
     // SQLite drives a row-set join from the row set already.
     row_keys: |_, _| String::new(),
     json_param: |param| param.to_string(),

@@ -917,3 +917,53 @@ pub async fn children_finish_with_their_job_in_one_write(store: Arc<dyn Store>) 
         .unwrap_err();
     assert!(matches!(refused, StoreError::Invalid(_)), "{refused:?}");
 }
+
+/// Issue 22, item 5: a claimer that asks again for a key its own claim
+/// holds (the batch with its claim committed, but answered an error) gets
+/// the same claim back, not `LeasedByOther` until its own lease runs out;
+/// nothing was sent, so the row is not marked reached. Another job's claim,
+/// even under the same lease owner and attempt, is still refused.
+pub async fn effect_reclaim_by_the_same_claim_is_the_same_claim(store: Arc<dyn Store>) {
+    let holder = hold(&store, "w").await;
+    let params = claim_by(&holder, "k", LONG);
+    let first = claimed(&store, params.clone()).await;
+    let again = claimed(&store, params.clone()).await;
+    assert_eq!(again.attempt, first.attempt + 1);
+    let row = store.effect_get("k").await.unwrap().unwrap();
+    assert!(!row.reached, "the first claim was never sent");
+    assert_eq!(
+        store
+            .effect_set_succeeded(EffectSucceedParams {
+                fence: first,
+                result_ref: None
+            })
+            .await
+            .unwrap(),
+        Fence::FencedOut,
+        "the claim's first fence is replaced"
+    );
+    // Another job held by the same owner at the same attempt.
+    let other = hold(&store, "w").await;
+    assert_ne!(other.id, holder.id);
+    assert_eq!(other.attempt, holder.attempt);
+    assert!(
+        matches!(
+            store
+                .effect_claim(claim_by(&other, "k", LONG))
+                .await
+                .unwrap(),
+            EffectClaim::LeasedByOther { .. }
+        ),
+        "another job's claim is another claim"
+    );
+    assert_eq!(
+        store
+            .effect_set_succeeded(EffectSucceedParams {
+                fence: again,
+                result_ref: Some("ref".into())
+            })
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
+}

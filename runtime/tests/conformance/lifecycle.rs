@@ -59,7 +59,10 @@ pub async fn lease_expiry_rescue_fences_stale_worker(store: Arc<dyn Store>) {
     let batch = store
         .write_batch(
             [
-                JobChange::Heartbeat { lease: LONG },
+                JobChange::Heartbeat {
+                    lease: LONG,
+                    started: true,
+                },
                 JobChange::Succeed {
                     plugin_hash: Some("h".into()),
                     plan: Some("[]".into()),
@@ -820,4 +823,117 @@ pub async fn queue_overview_matches_queue_stats(store: Arc<dyn Store>) {
         (0, 0)
     );
     assert_eq!(later.count(JobState::Dead), 1);
+}
+
+/// Issue 22, item 4: a crash must not charge an attempt to jobs a worker
+/// claimed ahead and never started. A rescue of a claim whose start was
+/// never recorded gives the attempt back (a job with one attempt stays
+/// runnable); the bound still ends a job whose start kills its host every
+/// time, dead with `rescued_unstarted`, and a started attempt is charged.
+pub async fn rescue_of_an_unstarted_claim_gives_the_attempt_back(store: Arc<dyn Store>) {
+    let id = store
+        .job_insert(NewJob {
+            max_attempts: 1,
+            ..job("once")
+        })
+        .await
+        .unwrap()
+        .id;
+    for round in 1..MAX_UNSTARTED_RESCUES {
+        let claimed = claim_one_unstarted(&store, "w", SHORT).await;
+        assert_eq!(claimed.attempt, 1);
+        advance(&store, PAST_SHORT).await;
+        assert_eq!(store.job_rescue_expired(10).await.unwrap(), vec![id]);
+        let rescued = get(&store, id).await;
+        assert_eq!(rescued.state, JobState::Available, "round {round}");
+        assert_eq!(
+            rescued.attempt, 0,
+            "round {round}: the attempt is given back"
+        );
+        assert_eq!(rescued.unstarted_rescues, round);
+        assert_eq!(rescued.rescues, round);
+    }
+    claim_one_unstarted(&store, "w", SHORT).await;
+    advance(&store, PAST_SHORT).await;
+    assert_eq!(store.job_rescue_expired(10).await.unwrap(), vec![id]);
+    let dead = get(&store, id).await;
+    assert_eq!(dead.state, JobState::Dead);
+    assert_eq!(dead.last_error_code.as_deref(), Some("rescued_unstarted"));
+    assert_eq!(dead.unstarted_rescues, MAX_UNSTARTED_RESCUES);
+    assert!(dead.finished_at_ms.is_some());
+    assert_eq!(
+        dead.errors.last().map(|e| e.code.as_str()),
+        Some("rescued_unstarted")
+    );
+
+    // A replay starts the count again.
+    assert_eq!(store.job_replay(&[id]).await.unwrap().replayed, vec![id]);
+    assert_eq!(get(&store, id).await.unstarted_rescues, 0);
+
+    // Started, the same rescue charges the attempt: dead, `lease_expired`.
+    let started = claim_one(&store, "w", SHORT).await;
+    assert!(started.started);
+    advance(&store, PAST_SHORT).await;
+    assert_eq!(store.job_rescue_expired(10).await.unwrap(), vec![id]);
+    let dead = get(&store, id).await;
+    assert_eq!(dead.state, JobState::Dead);
+    assert_eq!(dead.last_error_code.as_deref(), Some("lease_expired"));
+}
+
+/// Issue 22, item 4: the start travels with a heartbeat and is fenced like
+/// one (a stale holder cannot mark a newer claim started); a heartbeat of
+/// a job not yet started leaves it unstarted; a stored plan implies the
+/// start.
+pub async fn a_start_mark_is_fenced_and_implied_by_a_plan(store: Arc<dyn Store>) {
+    let id = store.job_insert(job("p")).await.unwrap().id;
+    let stale = claim_one_unstarted(&store, "a", SHORT).await;
+    advance(&store, PAST_SHORT).await;
+    assert_eq!(store.job_rescue_expired(10).await.unwrap(), vec![id]);
+    let fresh = claim_one_unstarted(&store, "b", LONG).await;
+    let beat = |started| JobChange::Heartbeat {
+        lease: LONG,
+        started,
+    };
+    assert_eq!(
+        change(&store, &stale.fence(), beat(true)).await,
+        Fence::FencedOut
+    );
+    assert!(
+        !get(&store, id).await.started,
+        "a stale start is fenced out"
+    );
+    assert_eq!(
+        change(&store, &fresh.fence(), beat(false)).await,
+        Fence::Applied
+    );
+    assert!(!get(&store, id).await.started, "a buffered job's heartbeat");
+    assert_eq!(
+        change(&store, &fresh.fence(), beat(true)).await,
+        Fence::Applied
+    );
+    assert!(get(&store, id).await.started);
+    assert_eq!(
+        change(&store, &fresh.fence(), beat(false)).await,
+        Fence::Applied
+    );
+    assert!(get(&store, id).await.started, "a start is never taken back");
+
+    let other = store.job_insert(job("q")).await.unwrap().id;
+    let claimed = claim_one_unstarted(&store, "c", LONG).await;
+    assert_eq!(claimed.id, other);
+    assert_eq!(
+        store
+            .job_save_plan(SavePlanParams {
+                fence: claimed.fence(),
+                plan: "[]".into(),
+                plugin_hash: "h".into(),
+            })
+            .await
+            .unwrap(),
+        Fence::Applied
+    );
+    assert!(
+        get(&store, other).await.started,
+        "a stored plan implies the start"
+    );
 }

@@ -26,8 +26,8 @@ pub mod statements;
 use futures::future::BoxFuture;
 use idem::failure::ErrorClass;
 use idem::store::{
-    ClaimParams, EffectClaimParams, ErrorRecord, Fence, Job, JobChange, JobFence, JobId, NewJob,
-    Result, Store, Write, Written,
+    ClaimParams, EffectClaimParams, ErrorRecord, Fence, Job, JobChange, JobFence, JobId,
+    MAX_UNSTARTED_RESCUES, NewJob, Result, Store, Write, Written,
 };
 use std::any::Any;
 use std::future::Future;
@@ -101,6 +101,8 @@ macro_rules! conformance_suite {
             lifecycle::retrying_refunds_attempt,
             lifecycle::release_at_shutdown,
             lifecycle::give_backs_never_exceed_max_attempts,
+            lifecycle::rescue_of_an_unstarted_claim_gives_the_attempt_back,
+            lifecycle::a_start_mark_is_fenced_and_implied_by_a_plan,
             lifecycle::plan_saved_once,
             lifecycle::error_history_is_bounded,
             lifecycle::cancel_only_waiting_jobs,
@@ -128,6 +130,7 @@ macro_rules! conformance_suite {
             effects::effect_prune_keeps_recent_and_in_flight_rows,
             effects::effect_in_doubt_after_an_ambiguous_try,
             effects::effect_claim_fenced_by_the_job_lease,
+            effects::effect_reclaim_by_the_same_claim_is_the_same_claim,
             effects::children_finish_with_their_job_in_one_write,
             batch::batch_answers_each_write_in_order_some_fenced_out,
             batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
@@ -175,14 +178,40 @@ pub fn claim_params(worker: &str, limit: u32, lease: Duration) -> ClaimParams {
     }
 }
 
-/// Claims exactly one job (panics otherwise).
+/// Claims exactly one job (panics otherwise) and records that its attempt
+/// started, as a worker's first heartbeat after the plugin call began does:
+/// a rescue of it charges the attempt.
 pub async fn claim_one(store: &Arc<dyn Store>, worker: &str, lease: Duration) -> Job {
+    let job = claim_one_unstarted(store, worker, lease).await;
+    start(store, &job, lease).await;
+    get(store, job.id).await
+}
+
+/// Claims exactly one job (panics otherwise) without starting it, as a
+/// worker's claim ahead does: a rescue of it gives the attempt back.
+pub async fn claim_one_unstarted(store: &Arc<dyn Store>, worker: &str, lease: Duration) -> Job {
     let mut jobs = store
         .job_claim(claim_params(worker, 1, lease))
         .await
         .unwrap();
     assert_eq!(jobs.len(), 1, "expected one claimable job");
+    assert!(!jobs[0].started, "a claim is not a start");
     jobs.remove(0)
+}
+
+/// Records that a claimed job's attempt started (a heartbeat carrying the
+/// start, its lease extended by `lease` from now).
+pub async fn start(store: &Arc<dyn Store>, job: &Job, lease: Duration) {
+    let change = JobChange::Heartbeat {
+        lease,
+        started: true,
+    };
+    assert_eq!(
+        job_write(store, job.fence(), change).await.unwrap(),
+        Fence::Applied,
+        "the start of job {} is recorded",
+        job.id
+    );
 }
 
 /// A job of queue `holders` claimed by `worker`: effect keys are claimed
@@ -341,6 +370,7 @@ pub async fn dead_letter(store: &Arc<dyn Store>, params: DeadParams) -> Result<F
 pub async fn heartbeat(store: &Arc<dyn Store>, params: HeartbeatParams) -> Result<Fence> {
     let change = JobChange::Heartbeat {
         lease: params.lease,
+        started: true,
     };
     job_write(store, params.fence, change).await
 }

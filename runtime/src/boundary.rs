@@ -1,0 +1,368 @@
+//! The one rule set for text that enters idem from outside: a plugin's
+//! output, a provider's answer, a broker message, an API call. Every such
+//! string is checked here, once, where it enters, so what reaches the store
+//! and the logs is always storable (PostgreSQL refuses a NUL byte in text,
+//! and one refused value used to fail every write of its batch) and always
+//! safe to print.
+//!
+//! Each field is either **refused** (an identifier: a wrong one must not be
+//! silently turned into another identifier) or **cleaned** (prose and
+//! references: what matters survives, the rest is replaced):
+//!
+//! | field | rule | on a refusal |
+//! |---|---|---|
+//! | `error_code` | 1..=64 bytes of `a-z A-Z 0-9 _ . : -` | the plugin's error keeps its class, code `invalid_error_code` |
+//! | `error_message` | cleaned: control characters (but tab and newline) become U+FFFD, cut to [`MAX_MESSAGE`] bytes | — |
+//! | `name` (queue, plugin) | 1..=128 bytes of `a-z A-Z 0-9 _ . : -` | an invalid effect, an invalid input (API: 400) |
+//! | `correlation_id` | 1..=255 printable ASCII bytes (space included, as a key) | an invalid input (API: 400) |
+//! | `result_ref` | cleaned: control characters dropped, cut to [`MAX_RESULT_REF`] bytes; empty is none | — |
+//! | `idempotency_key` | the SDK's key rule: 1..=255 printable ASCII bytes | a dead job on arrival (broker), an invalid input |
+//!
+//! The same rules are kept as data in `tests/vectors/strings.json`, which
+//! every path's tests read (and later SDKs can), so the paths cannot drift
+//! apart.
+//!
+//! ```
+//! use idem::boundary;
+//! assert!(boundary::error_code("card_declined").is_ok());
+//! assert!(boundary::error_code("nul\0code").is_err());
+//! assert_eq!(boundary::message("a\0b"), "a\u{fffd}b");
+//! ```
+
+/// Longest message kept, in bytes (longer ones are cut at a char boundary
+/// and marked `...`).
+pub const MAX_MESSAGE: usize = 2048;
+
+/// Longest provider result reference kept, in bytes.
+pub const MAX_RESULT_REF: usize = 512;
+
+/// Longest error code.
+pub const MAX_ERROR_CODE: usize = 64;
+
+/// Longest queue or plugin name.
+pub const MAX_NAME: usize = 128;
+
+/// Longest correlation id (a broker message's key is one).
+pub const MAX_CORRELATION_ID: usize = 255;
+
+/// Why a string was refused, for the caller's own classified error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field} {shown} is refused: {why}")]
+pub struct Refused {
+    /// The field's name in the rule set.
+    pub field: &'static str,
+    /// The value, shown safely (see [`shown`]).
+    pub shown: String,
+    /// The rule it breaks.
+    pub why: &'static str,
+}
+
+impl Refused {
+    fn new(field: &'static str, value: &str, why: &'static str) -> Self {
+        Refused {
+            field,
+            shown: shown(value),
+            why,
+        }
+    }
+}
+
+/// A value for a log line or an error message: quoted, control and
+/// non-ASCII characters escaped, cut to 80 characters.
+///
+/// `assert_eq!(idem::boundary::shown("a\0b"), "\"a\\0b\"");`
+pub fn shown(value: &str) -> String {
+    const MAX_SHOWN: usize = 80;
+    let mut escaped: String = value.chars().take(MAX_SHOWN).collect::<String>();
+    escaped = format!("{escaped:?}");
+    if value.chars().nth(MAX_SHOWN).is_some() {
+        escaped.push_str("...");
+    }
+    escaped
+}
+
+fn is_identifier_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-')
+}
+
+fn identifier(field: &'static str, value: &str, max: usize) -> Result<(), Refused> {
+    if value.is_empty() {
+        return Err(Refused::new(field, value, "it is empty"));
+    }
+    if value.len() > max {
+        return Err(Refused::new(field, value, "it is too long"));
+    }
+    if !value.bytes().all(is_identifier_byte) {
+        return Err(Refused::new(
+            field,
+            value,
+            "only ASCII letters, digits and _ . : - are allowed",
+        ));
+    }
+    Ok(())
+}
+
+/// An error code (a plugin's or a provider's): 1..=64 bytes of ASCII
+/// letters, digits and `_ . : -`.
+///
+/// `assert!(idem::boundary::error_code("").is_err());`
+pub fn error_code(code: &str) -> Result<(), Refused> {
+    if code.len() > MAX_ERROR_CODE {
+        return Err(Refused::new(
+            "error_code",
+            code,
+            "it is longer than 64 bytes",
+        ));
+    }
+    identifier("error_code", code, MAX_ERROR_CODE)
+}
+
+/// A queue or plugin name: 1..=128 bytes of ASCII letters, digits and
+/// `_ . : -` (a plugin's name is the first part of every key it scopes, so
+/// it never holds a `/`).
+///
+/// `assert!(idem::boundary::name("emails").is_ok());`
+pub fn name(value: &str) -> Result<(), Refused> {
+    identifier("name", value, MAX_NAME)
+}
+
+/// A correlation id: 1..=255 printable ASCII bytes, space included (a
+/// broker message's key serves as one).
+///
+/// `assert!(idem::boundary::correlation_id("req-42").is_ok());`
+pub fn correlation_id(value: &str) -> Result<(), Refused> {
+    let field = "correlation_id";
+    if value.is_empty() {
+        return Err(Refused::new(field, value, "it is empty"));
+    }
+    if value.len() > MAX_CORRELATION_ID {
+        return Err(Refused::new(field, value, "it is longer than 255 bytes"));
+    }
+    if !value.bytes().all(|b| (b' '..=b'~').contains(&b)) {
+        return Err(Refused::new(
+            field,
+            value,
+            "only printable ASCII is allowed",
+        ));
+    }
+    Ok(())
+}
+
+fn is_kept_control(c: char) -> bool {
+    c == '\n' || c == '\t'
+}
+
+/// A message (an error's, a panic's, a provider's): every control
+/// character but tab and newline becomes U+FFFD, and the text is cut to
+/// [`MAX_MESSAGE`] bytes on a char boundary, marked `...`.
+///
+/// `assert_eq!(idem::boundary::message("ok\n"), "ok\n");`
+pub fn message(text: &str) -> String {
+    let mut cleaned: String = text
+        .chars()
+        .map(|c| {
+            if c.is_control() && !is_kept_control(c) {
+                '\u{fffd}'
+            } else {
+                c
+            }
+        })
+        .collect();
+    if cleaned.len() > MAX_MESSAGE {
+        let mut end = MAX_MESSAGE - 3;
+        while !cleaned.is_char_boundary(end) {
+            end -= 1;
+        }
+        cleaned.truncate(end);
+        cleaned.push_str("...");
+    }
+    cleaned
+}
+
+/// A provider's result reference: control characters dropped, cut to
+/// [`MAX_RESULT_REF`] bytes on a char boundary; `None` when nothing is left
+/// (the effect still succeeded: only its reference is lost).
+///
+/// `assert_eq!(idem::boundary::result_ref("msg_1\0"), Some("msg_1".into()));`
+pub fn result_ref(value: &str) -> Option<String> {
+    let mut cleaned: String = value.chars().filter(|c| !c.is_control()).collect();
+    if cleaned.len() > MAX_RESULT_REF {
+        let mut end = MAX_RESULT_REF;
+        while !cleaned.is_char_boundary(end) {
+            end -= 1;
+        }
+        cleaned.truncate(end);
+    }
+    let trimmed = cleaned.trim();
+    (!trimmed.is_empty()).then(|| trimmed.to_string())
+}
+
+/// An idempotency key, by the SDK's rule (1..=255 printable ASCII bytes).
+///
+/// `assert!(idem::boundary::idempotency_key("order:1").is_ok());`
+pub fn idempotency_key(key: &str) -> Result<(), Refused> {
+    idem_sdk::key::validate(key).map_err(|e| Refused {
+        field: "idempotency_key",
+        shown: shown(key),
+        why: match e {
+            idem_sdk::key::InvalidKey::Empty => "it is empty",
+            idem_sdk::key::InvalidKey::TooLong(_) => "it is longer than 255 bytes",
+            idem_sdk::key::InvalidKey::NotPrintable(_) => "only printable ASCII is allowed",
+        },
+    })
+}
+
+/// The shared test vectors (`tests/vectors/strings.json`), read by every
+/// path's tests.
+pub mod vectors {
+    use serde::Deserialize;
+
+    /// What a rule does with one input.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Expected {
+        /// Taken as it is.
+        Accepted,
+        /// Taken, changed into this (`None`: dropped).
+        Cleaned(Option<String>),
+        /// Refused.
+        Refused,
+    }
+
+    /// One case of a field.
+    #[derive(Debug, Clone)]
+    pub struct Case {
+        /// What the case shows.
+        pub note: String,
+        /// The input.
+        pub input: String,
+        /// What the rule does with it.
+        pub expected: Expected,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Text {
+        Plain(String),
+        Repeat {
+            repeat: String,
+            times: usize,
+            #[serde(default)]
+            tail: String,
+        },
+    }
+
+    impl Text {
+        fn expand(self) -> String {
+            match self {
+                Text::Plain(text) => text,
+                Text::Repeat {
+                    repeat,
+                    times,
+                    tail,
+                } => repeat.repeat(times) + &tail,
+            }
+        }
+    }
+
+    #[derive(Deserialize)]
+    struct RawCase {
+        field: String,
+        note: String,
+        input: Text,
+        outcome: String,
+        #[serde(default)]
+        output: Option<Text>,
+    }
+
+    #[derive(Deserialize)]
+    struct File {
+        cases: Vec<RawCase>,
+    }
+
+    /// Every case of `field` (panics on a malformed file: it is test data).
+    pub fn of(field: &str) -> Vec<Case> {
+        let file: File = serde_json::from_str(include_str!("../../tests/vectors/strings.json"))
+            .expect("tests/vectors/strings.json is valid");
+        let cases: Vec<Case> = file
+            .cases
+            .into_iter()
+            .filter(|c| c.field == field)
+            .map(|c| Case {
+                note: c.note,
+                input: c.input.expand(),
+                expected: match c.outcome.as_str() {
+                    "accepted" => Expected::Accepted,
+                    "refused" => Expected::Refused,
+                    "cleaned" => Expected::Cleaned(c.output.map(Text::expand)),
+                    other => panic!("unknown outcome {other:?}"),
+                },
+            })
+            .collect();
+        assert!(!cases.is_empty(), "no vectors for {field}");
+        cases
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::vectors::{self, Expected};
+    use super::*;
+
+    fn check_refusals(field: &str, rule: impl Fn(&str) -> Result<(), Refused>) {
+        for case in vectors::of(field) {
+            let got = rule(&case.input);
+            match case.expected {
+                Expected::Accepted => assert!(got.is_ok(), "{field} {}: {got:?}", case.note),
+                Expected::Refused => {
+                    let refused = got.expect_err(&case.note);
+                    assert!(
+                        !refused.to_string().contains('\0'),
+                        "a refusal prints safely"
+                    );
+                }
+                Expected::Cleaned(_) => panic!("{field} is never cleaned"),
+            }
+        }
+    }
+
+    #[test]
+    fn identifiers_follow_the_vectors() {
+        check_refusals("error_code", error_code);
+        check_refusals("name", name);
+        check_refusals("correlation_id", correlation_id);
+        check_refusals("idempotency_key", idempotency_key);
+    }
+
+    #[test]
+    fn messages_follow_the_vectors() {
+        for case in vectors::of("error_message") {
+            let got = message(&case.input);
+            match case.expected {
+                Expected::Accepted => assert_eq!(got, case.input, "{}", case.note),
+                Expected::Cleaned(Some(want)) => assert_eq!(got, want, "{}", case.note),
+                other => panic!("a message is never {other:?}"),
+            }
+            assert!(got.len() <= MAX_MESSAGE);
+        }
+    }
+
+    #[test]
+    fn result_refs_follow_the_vectors() {
+        for case in vectors::of("result_ref") {
+            let got = result_ref(&case.input);
+            match case.expected {
+                Expected::Accepted => assert_eq!(got.as_deref(), Some(case.input.as_str())),
+                Expected::Cleaned(want) => assert_eq!(got, want, "{}", case.note),
+                Expected::Refused => panic!("a result reference is never refused"),
+            }
+        }
+    }
+
+    #[test]
+    fn shown_values_are_escaped_and_bounded() {
+        assert_eq!(shown("ok"), "\"ok\"");
+        assert_eq!(shown("a\u{1b}[31m"), "\"a\\u{1b}[31m\"");
+        let long = shown(&"x".repeat(1000));
+        assert!(long.len() < 100 && long.ends_with("..."), "{long}");
+    }
+}
