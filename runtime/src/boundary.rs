@@ -179,6 +179,29 @@ pub fn message(text: &str) -> String {
     cleaned
 }
 
+/// A line a plugin writes to the host's log (the `log` import, its stdout
+/// and stderr): every control character, newlines included, written as its
+/// escape (`\n`, `\u{0}`), so a plugin can neither forge a line of its own
+/// nor move the terminal; cut to `max` bytes on a char boundary, marked
+/// `...`.
+///
+/// `assert_eq!(idem::boundary::log_line("a\nforged", 100), "a\\nforged");`
+pub fn log_line(text: &str, max: usize) -> String {
+    let mut line = String::with_capacity(text.len().min(max));
+    for c in text.chars() {
+        if line.len() >= max {
+            line.push_str("...");
+            break;
+        }
+        if c.is_control() {
+            line.extend(c.escape_default());
+        } else {
+            line.push(c);
+        }
+    }
+    line
+}
+
 /// A provider's result reference: control characters dropped, cut to
 /// [`MAX_RESULT_REF`] bytes on a char boundary; `None` when nothing is left
 /// (the effect still succeeded: only its reference is lost).
@@ -356,6 +379,18 @@ mod tests {
                 Expected::Refused => panic!("a result reference is never refused"),
             }
         }
+    }
+
+    #[test]
+    fn log_lines_escape_every_control_character() {
+        let line = log_line("ok\nforged job_id=1\r\0\u{1b}[2J\u{7}\t\u{85}é", 1000);
+        assert_eq!(
+            line,
+            "ok\\nforged job_id=1\\r\\u{0}\\u{1b}[2J\\u{7}\\t\\u{85}é"
+        );
+        assert!(!line.chars().any(char::is_control), "{line:?}");
+        let long = log_line(&"é".repeat(100), 11);
+        assert!(long.len() <= 11 + 4 && long.ends_with("..."), "{long:?}");
     }
 
     #[test]

@@ -352,9 +352,19 @@ where
     let changed = sqlx::query(change).execute(&mut *tx).await.unwrap();
     assert_eq!(changed.rows_affected(), 1, "{change}");
     let racer = tokio::spawn(racer);
+    blocked_by(holder, || racer.is_finished()).await;
+    tx.commit().await.unwrap();
+    racer.await.unwrap()
+}
+
+/// Waits (up to 5 s) until some session waits for a lock held by the
+/// backend `holder`, or `done` says there is nothing to wait for; whether
+/// one was blocked.
+async fn blocked_by(holder: i32, done: impl Fn() -> bool) -> bool {
     let mut admin = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    let mut blocked = false;
     for _ in 0..500 {
-        let blocked: bool = sqlx::query_scalar(
+        blocked = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity \
              WHERE $1 = ANY(pg_blocking_pids(pid)))",
         )
@@ -362,14 +372,13 @@ where
         .fetch_one(&mut admin)
         .await
         .unwrap();
-        if blocked || racer.is_finished() {
+        if blocked || done() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     admin.close().await.unwrap();
-    tx.commit().await.unwrap();
-    racer.await.unwrap()
+    blocked
 }
 
 /// Window (issue 22, item 1): a rescue picks running jobs whose lease ran
@@ -472,6 +481,81 @@ async fn an_effect_prune_never_deletes_a_row_taken_over_while_it_waited() {
         let kept = dyn_store.effect_get("k1").await.unwrap().expect("k1 kept");
         assert_eq!(kept.lease_owner.as_deref(), Some("other"));
         assert!(dyn_store.effect_get("k2").await.unwrap().is_none());
+    })
+    .await;
+}
+
+/// Issue 22, item 3: heartbeats go ahead of a backlog of outcomes. A flush
+/// is held up (another transaction holds its job's row), 50 outcomes queue
+/// behind it, then a heartbeat: once the row is free, the heartbeat commits
+/// before any of the 50, so a slow store never lets a busy job's lease run
+/// out behind other jobs' outcomes. (With one queue for all writes the
+/// heartbeat was answered after all 50.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn heartbeats_go_ahead_of_a_backlog_of_outcomes() {
+    use idem::store::{Fence, JobChange, Write, Written};
+    use std::sync::Mutex;
+    with_store(|store| async move {
+        for _ in 0..52 {
+            store.job_insert(job("x")).await.unwrap();
+        }
+        let claimed = store.job_claim(claim_params("w", 52, LONG)).await.unwrap();
+        assert_eq!(claimed.len(), 52);
+        let group = GroupCommit::new(store.clone(), GroupCommitSettings::default());
+        let answered: Arc<Mutex<Vec<String>>> = Arc::default();
+        let note = |what: String| {
+            let answered = answered.clone();
+            move |answer: idem::store::Result<Written>| {
+                assert_eq!(answer.unwrap(), Written::Job(Fence::Applied), "{what}");
+                answered.lock().unwrap().push(what);
+            }
+        };
+        let succeed = |job: &idem::store::Job| Write::Job {
+            fence: job.fence(),
+            change: JobChange::Succeed {
+                plugin_hash: None,
+                plan: None,
+            },
+        };
+        let (first, rest) = claimed.split_first().unwrap();
+        let (beating, outcomes) = rest.split_last().unwrap();
+        // Another transaction holds the first job's row ...
+        let pool = store.postgres_pool().unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
+            .bind(first.id.0)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        // ... so the flush of its outcome waits for it.
+        group.write_then(succeed(first), note("first".into()));
+        assert!(
+            blocked_by(holder, || false).await,
+            "the first flush waits for the row"
+        );
+        for job in outcomes {
+            group.write_then(succeed(job), note(format!("outcome {}", job.id.0)));
+        }
+        group.write_then(
+            Write::Job {
+                fence: beating.fence(),
+                change: JobChange::Heartbeat {
+                    lease: LONG,
+                    started: true,
+                },
+            },
+            note("heartbeat".into()),
+        );
+        tx.commit().await.unwrap();
+        group.flushed().await;
+        let answered = answered.lock().unwrap().clone();
+        assert_eq!(answered.len(), 52, "{answered:?}");
+        assert_eq!(answered[0], "first", "{answered:?}");
+        assert_eq!(answered[1], "heartbeat", "{answered:?}");
     })
     .await;
 }

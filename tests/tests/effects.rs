@@ -386,7 +386,8 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
     let job = h.store.job_claim(claim("a")).await.unwrap().remove(0);
     let plan = vec![Effect {
         provider: "email".into(),
-        idempotency_key: "invoice:42:email:v1".into(),
+        // Scoped to its plugin, as a plan of this release is.
+        idempotency_key: "send_invoice_email/invoice:42:email:v1".into(),
         action: Action::Email {
             to: vec!["ana@example.com".into()],
             subject: "Invoice 42".into(),
@@ -401,6 +402,7 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
         worker: worker.into(),
         effect_lease: Duration::from_secs(30),
         child_max_attempts: 5,
+        registry: None,
         stats: Arc::new(WorkerStats::default()),
     };
     let (a, b) = (executor("a"), executor("b"));
@@ -425,7 +427,10 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
         other => panic!("expected A's success and B's deferral, got {other:?}"),
     }
     assert_eq!(a.stats.snapshot().effects_executed, 1);
-    assert_eq!(h.provider.applied("invoice:42:email:v1"), 1);
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
     // B's retry finds the effect done; A, fenced out of the job, claims nothing.
     assert!(matches!(
         b.execute(&job_b, &plan, &never).await,
@@ -436,7 +441,11 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
         matches!(a.execute(&job, &plan, &never).await, PlanOutcome::Done),
         "A's key is done (looked up before any claim)"
     );
-    assert_eq!(h.provider.requests("invoice:42:email:v1"), 1);
+    assert_eq!(
+        h.provider
+            .requests("send_invoice_email/invoice:42:email:v1"),
+        1
+    );
 }
 
 async fn an_open_circuit_defers_jobs_instead_of_calling_a_failing_provider(backend: Backend) {
@@ -787,6 +796,11 @@ async fn a_job_deferred_longer_than_max_deferral_is_dead_lettered(backend: Backe
 /// A job whose stored plan is `[effect]`, waiting to run (its plan stored by
 /// an attempt that gave its lease back).
 async fn ghost_plan(h: &Harness, effect: &Effect) -> idem::store::JobId {
+    ghost_plan_of(h, std::slice::from_ref(effect)).await
+}
+
+/// [`ghost_plan`] with a plan of several effects.
+async fn ghost_plan_of(h: &Harness, plan: &[Effect]) -> idem::store::JobId {
     let id = h
         .store
         .job_insert(invoice(3, "x@example.com"))
@@ -809,7 +823,7 @@ async fn ghost_plan(h: &Harness, effect: &Effect) -> idem::store::JobId {
     h.store
         .job_save_plan(SavePlanParams {
             fence: job.fence(),
-            plan: serde_json::to_string(&vec![effect.clone()]).unwrap(),
+            plan: serde_json::to_string(plan).unwrap(),
             plugin_hash: "setup".into(),
         })
         .await
@@ -949,26 +963,8 @@ async fn an_effect_done_under_an_unscoped_key_by_an_older_release_is_not_sent_ag
 ) {
     let h = Harness::new(backend).await;
     // What the plugin asks for invoice 58, as an older release stored it.
-    let plugin = h.registry.get("send_invoice_email").expect("plugin loaded");
     let payload = br#"{"invoice_id": 58, "recipient": "ana@example.com"}"#.to_vec();
-    let plan = h
-        .registry
-        .sandbox()
-        .run(
-            &plugin.compiled,
-            &idem::sandbox::JobInput {
-                id: 1,
-                queue: "default".into(),
-                payload: payload.clone(),
-                attempt: 1,
-                max_attempts: 3,
-                idempotency_key: None,
-                correlation_id: "upgrade".into(),
-                enqueued_at_ms: 0,
-            },
-        )
-        .expect("the plugin plans one email");
-    let effect = plan.into_iter().next().expect("one effect");
+    let effect = email_as_planned(&h, 58);
     let unscoped = effect.idempotency_key.clone();
     assert!(!unscoped.starts_with("send_invoice_email/"));
     let fence = claim_as_an_older_release(&h, &unscoped, &effect).await;
@@ -998,9 +994,133 @@ async fn an_effect_done_under_an_unscoped_key_by_an_older_release_is_not_sent_ag
     assert_eq!(h.provider.requests(&unscoped), 0);
 }
 
+/// Issue 22, item 6: the lookup across releases goes both ways. A job of
+/// a release before keys were scoped stored its plan with the key as it
+/// was; a duplicate delivery after the upgrade carried the same request out
+/// first, under the scoped key. When the old job runs its stored plan, it
+/// finds the scoped row and does not send the request again under the key
+/// as it was.
+async fn an_older_release_plan_finds_an_effect_done_under_the_scoped_key(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let payload = br#"{"invoice_id": 62, "recipient": "ana@example.com"}"#.to_vec();
+    let effect = email_as_planned(&h, 62);
+    let unscoped = effect.idempotency_key.clone();
+    let scoped = format!("send_invoice_email/{unscoped}");
+    // The duplicate delivery, on the new release, goes first.
+    let fresh = h
+        .store
+        .job_insert(NewJob::new("send_invoice_email", payload))
+        .await
+        .unwrap()
+        .id;
+    h.drain().await;
+    assert_eq!(
+        h.store.job_get(fresh).await.unwrap().unwrap().state,
+        JobState::Succeeded
+    );
+    assert_eq!(h.provider.requests(&scoped), 1);
+    // The old job's stored plan, with the key as the older release kept it.
+    let old = ghost_plan(&h, &effect).await;
+    let stats = h.drain().await;
+    let job = h.store.job_get(old).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{:?}", job.last_error_code);
+    assert_eq!(stats.idempotency_hits, 1, "{stats:?}");
+    assert_eq!(
+        h.provider.requests(&unscoped),
+        0,
+        "not sent under a second key"
+    );
+    assert_eq!(h.provider.requests(&scoped), 1);
+}
+
+/// What `send_invoice_email` plans for `invoice_id`, with its key as the
+/// plugin gives it (a release before keys were scoped stored it so).
+fn email_as_planned(h: &Harness, invoice_id: u64) -> Effect {
+    let plugin = h.registry.get("send_invoice_email").expect("plugin loaded");
+    let payload = format!(r#"{{"invoice_id": {invoice_id}, "recipient": "ana@example.com"}}"#);
+    h.registry
+        .sandbox()
+        .run(
+            &plugin.compiled,
+            &idem::sandbox::JobInput {
+                id: 1,
+                queue: "default".into(),
+                payload: payload.into_bytes(),
+                attempt: 1,
+                max_attempts: 3,
+                idempotency_key: None,
+                correlation_id: "upgrade".into(),
+                enqueued_at_ms: 0,
+            },
+        )
+        .expect("the plugin plans one email")
+        .into_iter()
+        .next()
+        .expect("one effect")
+}
+
+/// Issue 22, item 6: which key an older release's stored plan uses must
+/// not depend on which delivery runs first. An old job's plan is [A, B]; the
+/// older release claimed and sent A under its key as it was, and crashed
+/// before B. B has no row under either key, so the old job claims it under
+/// the **scoped** key, the one a duplicate delivery after the upgrade also
+/// uses: the two deliveries meet on one ledger row whatever their timing.
+/// (Claimed under the key as it was, both could read "no row" at once and
+/// send B under two keys.) A, done under the older key, is found there.
+async fn an_older_release_plan_claims_a_key_no_one_claimed_under_the_scoped_key(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let (a, b) = (email_as_planned(&h, 63), email_as_planned(&h, 64));
+    let fence = claim_as_an_older_release(&h, &a.idempotency_key, &a).await;
+    h.store
+        .effect_set_succeeded(idem::store::EffectSucceedParams {
+            fence,
+            result_ref: Some("sent-by-the-older-release".into()),
+        })
+        .await
+        .unwrap();
+    let old = ghost_plan_of(&h, &[a.clone(), b.clone()]).await;
+    let scoped_b = format!("send_invoice_email/{}", b.idempotency_key);
+    let stats = h.drain().await;
+    let job = h.store.job_get(old).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{:?}", job.last_error_code);
+    assert_eq!(stats.idempotency_hits, 1, "A found done: {stats:?}");
+    assert_eq!(
+        h.provider
+            .requests(&format!("send_invoice_email/{}", a.idempotency_key)),
+        0
+    );
+    assert_eq!(h.provider.requests(&b.idempotency_key), 0, "B not unscoped");
+    assert_eq!(h.provider.requests(&scoped_b), 1, "B under the scoped key");
+    assert!(
+        h.store
+            .effect_get(&b.idempotency_key)
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // The duplicate delivery of B's invoice on the new release finds it.
+    let fresh = h
+        .store
+        .job_insert(NewJob::new(
+            "send_invoice_email",
+            br#"{"invoice_id": 64, "recipient": "ana@example.com"}"#.to_vec(),
+        ))
+        .await
+        .unwrap()
+        .id;
+    let stats = h.drain().await;
+    let job = h.store.job_get(fresh).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{:?}", job.last_error_code);
+    assert_eq!(stats.idempotency_hits, 1, "{stats:?}");
+    assert_eq!(h.provider.requests(&scoped_b), 1, "sent once in all");
+    assert_eq!(h.provider.requests(&b.idempotency_key), 0);
+}
+
 /// Keys are scoped by the plugin's name, and a plugin's name is its file's
-/// name: one the key rules refuse fails its jobs at once, classified, before
-/// any plan is stored or any key claimed.
+/// name: one the boundary's name rule refuses (`tests/vectors/strings.json`)
+/// cannot be enqueued at all, so no job of it can fail a batch or a ledger
+/// claim later.
 async fn a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once(backend: Backend) {
     let h = Harness::new(backend).await;
     let name = "rechnung-\u{fc}";
@@ -1015,28 +1135,27 @@ async fn a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once(backend: Back
     )
     .expect("copy grants");
     h.registry.refresh();
-    assert!(h.registry.get(name).is_some(), "the plugin loaded");
-    let id = h
+    let refused = h
         .store
         .job_insert(NewJob::new(
             name,
             br#"{"invoice_id": 59, "recipient": "ana@example.com"}"#.to_vec(),
         ))
         .await
-        .unwrap()
-        .id;
-    h.drain().await;
-    let job = h.store.job_get(id).await.unwrap().unwrap();
-    assert_eq!(job.state, JobState::Dead);
-    assert_eq!(
-        job.last_error_code.as_deref(),
-        Some("invalid_idempotency_key")
+        .expect_err("the name is refused at the enqueue");
+    assert!(
+        matches!(&refused, idem::store::StoreError::Invalid(why) if why.contains("plugin name")),
+        "{refused:?}"
     );
-    assert_eq!(
-        job.attempt, 1,
-        "no lease ran out: the first attempt decided"
+    assert!(!refused.is_transient());
+    assert!(
+        h.store
+            .job_list(JobFilter::default())
+            .await
+            .unwrap()
+            .is_empty(),
+        "nothing was stored"
     );
-    assert!(job.plan.is_none(), "no plan was stored");
 }
 
 fn numbered(i: u64) -> NewJob {
@@ -1053,6 +1172,25 @@ async fn noop_jobs(h: &Harness) -> Vec<Job> {
         })
         .await
         .unwrap()
+}
+
+/// Issue 22, item 7: a child job gets the attempts its own plugin's
+/// manifest names (as an enqueue through the API does), not the worker's
+/// default, on the one-write path and effect by effect alike.
+async fn a_child_job_gets_the_attempts_of_its_plugins_manifest(backend: Backend) {
+    let h = Harness::new(backend).await;
+    h.set_manifest("noop", "max_attempts = 7\n");
+    h.store.job_insert(numbered(1)).await.unwrap();
+    h.drain().await;
+    // A duplicate delivery whose child key is taken goes effect by effect.
+    h.store.job_insert(numbered(2)).await.unwrap();
+    h.store.job_insert(numbered(2)).await.unwrap();
+    h.drain().await;
+    let children = noop_jobs(&h).await;
+    assert_eq!(children.len(), 2);
+    for child in children {
+        assert_eq!(child.max_attempts, 7, "child {}", child.id);
+    }
 }
 
 /// A plan made only of child jobs finishes in one write; a delivery whose
@@ -1112,8 +1250,11 @@ async fn a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_don
 
 both_backends!(
     a_plan_of_child_jobs_finishes_in_one_write_and_a_duplicate_finds_it_done,
+    a_child_job_gets_the_attempts_of_its_plugins_manifest,
     a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once,
     an_effect_done_under_an_unscoped_key_by_an_older_release_is_not_sent_again,
+    an_older_release_plan_finds_an_effect_done_under_the_scoped_key,
+    an_older_release_plan_claims_a_key_no_one_claimed_under_the_scoped_key,
     a_plugin_cannot_take_a_key_a_producer_will_use,
     a_key_claimed_under_the_old_fingerprint_is_still_the_same_request,
     a_vanished_holder_at_a_provider_without_dedupe_is_never_sent_twice,

@@ -54,6 +54,18 @@ async fn finished_once(h: &Harness, id: idem::store::JobId) {
     assert_eq!(h.provider.applied(KEY), 1, "applied exactly once");
 }
 
+/// The job finished once; the attempt lost to the crash is given back: the
+/// process died before anything recorded the attempt's start (no plan, no
+/// heartbeat yet), so the rescue counts it among the bounded rescues of
+/// claims that never started (issue 22, item 4).
+async fn finished_once_unstarted(h: &Harness, id: idem::store::JobId) {
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    assert_eq!(job.attempt, 1, "the unrecorded attempt is given back");
+    assert_eq!((job.rescues, job.unstarted_rescues), (1, 1));
+    assert_eq!(h.provider.applied(KEY), 1, "applied exactly once");
+}
+
 async fn dies_at(h: &Harness, failpoint: &str) -> idem::store::JobId {
     let id = h.store.job_insert(invoice(42)).await.unwrap().id;
     let config = h.config_file(Duration::from_secs(5));
@@ -68,7 +80,7 @@ async fn after_plugin_call(backend: Backend) {
     assert_eq!(dead_before.plan, None, "died before the plan was stored");
     assert_eq!(h.provider.requests(KEY), 0);
     let stats = take_over(&h).await;
-    finished_once(&h, id).await;
+    finished_once_unstarted(&h, id).await;
     assert_eq!(stats.plugin_calls, 1, "the plugin is asked again");
     assert_eq!(h.provider.requests(KEY), 1);
 }

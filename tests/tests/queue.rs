@@ -213,7 +213,21 @@ async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend:
         .await
         .unwrap()
         .remove(0);
-    // The ghost stalls past its lease: the store's clock moves on.
+    // The ghost started the attempt (its first heartbeat said so) ...
+    assert_eq!(
+        h.store
+            .write(Write::Job {
+                fence: ghost.fence(),
+                change: JobChange::Heartbeat {
+                    lease: Duration::from_secs(30),
+                    started: true,
+                },
+            })
+            .await
+            .unwrap(),
+        Written::Job(Fence::Applied)
+    );
+    // ... then stalls past its lease: the store's clock moves on.
     h.store
         .clock_advance(Duration::from_secs(31))
         .await

@@ -599,3 +599,57 @@ async fn amqp_crash_between_insert_and_ack_redelivers_into_the_same_jobs() {
 async fn nats_crash_between_insert_and_ack_redelivers_into_the_same_jobs() {
     crash_between_insert_and_ack("nats").await;
 }
+
+/// Issue 22, item 7: the key check runs on the job key as stored, the
+/// source's `key_prefix` included. A message id that is a valid key alone
+/// but too long once prefixed is kept dead on arrival, classified, and the
+/// messages of its batch become their jobs (before, the store refused the
+/// whole batch, and the broker delivered it again, for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_too_long_once_prefixed_is_dead_on_arrival_and_its_batch_goes_in() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let h = Harness::new(backend).await;
+        let mut config = amqp_source(AMQP, "unused");
+        config.key_prefix = Some("tenant-a:".into());
+        let source = Source::new(config, 5).unwrap();
+        let message = |id: String| idem::sources::Incoming {
+            payload: br#"{"order_id": 1}"#.to_vec(),
+            message_id: Some(id),
+            headers: Vec::new(),
+        };
+        let long = "k".repeat(250);
+        assert!(
+            idem::boundary::idempotency_key(&long).is_ok(),
+            "valid alone"
+        );
+        let batch = vec![
+            message("order-1".into()),
+            message(long),
+            message("order-2".into()),
+        ];
+        let store: Arc<dyn Store> = h.store.clone();
+        let ingested = idem::sources::ingest(&*store, &source, &batch)
+            .await
+            .expect("the batch goes in");
+        assert_eq!((ingested.inserted, ingested.dead_on_arrival), (2, 1));
+        let mut keys: Vec<String> = jobs(&store, JobState::Available)
+            .await
+            .into_iter()
+            .filter_map(|j| j.idempotency_key)
+            .collect();
+        keys.sort();
+        assert_eq!(keys, ["tenant-a:order-1", "tenant-a:order-2"]);
+        let dead = jobs(&store, JobState::Dead).await;
+        assert_eq!(dead.len(), 1);
+        assert_eq!(
+            dead[0].last_error_code.as_deref(),
+            Some("message_key_invalid")
+        );
+        // A redelivery of the same batch changes nothing.
+        let again = idem::sources::ingest(&*store, &source, &batch)
+            .await
+            .unwrap();
+        assert_eq!((again.inserted, again.duplicates), (0, 2));
+        assert_eq!(jobs(&store, JobState::Dead).await.len(), 1);
+    }
+}

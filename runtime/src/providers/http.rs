@@ -149,6 +149,21 @@ impl HttpProvider {
                 },
                 ProviderKind::Email,
             ) => {
+                // Header fields at the provider (a CR/LF in one is header
+                // injection where a provider writes them into a message
+                // as they are); the bodies are prose and stay as they are.
+                for (what, text) in to
+                    .iter()
+                    .map(|r| ("recipient", r.as_str()))
+                    .chain([("subject", subject.as_str())])
+                    .chain(
+                        template
+                            .as_ref()
+                            .map(|t| ("template name", t.name.as_str())),
+                    )
+                {
+                    refuse_control_characters(what, text)?;
+                }
                 let mut email = serde_json::json!({ "to": to, "subject": subject });
                 if let Some(from) = &self.from {
                     email["from"] = from.clone().into();
@@ -186,6 +201,10 @@ impl HttpProvider {
                 ));
             }
         };
+        // Before the checks below: a URL parser drops tabs and newlines
+        // (and encodes other control characters), so `/.<TAB>./admin`
+        // passes a `..` check and still leaves the base URL's path.
+        refuse_control_characters("path", &path)?;
         if !path.is_empty() && !path.starts_with('/') {
             return Err(Failure::host(
                 Code::InvalidEffect,
@@ -242,6 +261,21 @@ impl HttpProvider {
     }
 }
 
+/// `invalid_effect` when `text` (a field of an effect that becomes part of
+/// a request line or a header) holds a control character.
+fn refuse_control_characters(what: &str, text: &str) -> Result<(), Failure> {
+    match text.chars().find(|c| c.is_control()) {
+        Some(c) => Err(Failure::host(
+            Code::InvalidEffect,
+            format!(
+                "the {what} {} holds the control character {c:?}",
+                crate::boundary::shown(text)
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// `sha256=<hex>` of HMAC-SHA256 over `key "." body`, so the key is signed too.
 pub fn sign(secret: &[u8], key: &str, body: &[u8]) -> String {
     let mut mac =
@@ -260,6 +294,13 @@ impl Provider for HttpProvider {
 
     fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// The request is built as [`Provider::execute`] would build it, so an
+    /// effect it would refuse (a bad method, path, header or recipient) is
+    /// refused before the plan is stored, not after its key is claimed.
+    fn check(&self, effect: &Effect) -> Result<(), Failure> {
+        self.request(effect).map(|_| ())
     }
 
     async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure> {
@@ -406,6 +447,99 @@ mod tests {
             let found = provider.result_ref(&HeaderMap::new(), body.as_bytes());
             assert_eq!(found, want, "{}", case.note);
         }
+    }
+
+    fn provider(kind: &str, base_url: &str) -> HttpProvider {
+        let config: ProviderConfig =
+            toml::from_str(&format!("kind = \"{kind}\"\nbase_url = \"{base_url}\"")).unwrap();
+        HttpProvider::from_config(kind, &config).unwrap()
+    }
+
+    fn http(path: &str, headers: &[(&str, &str)]) -> Effect {
+        Effect {
+            provider: "partner".into(),
+            idempotency_key: "k:1".into(),
+            action: Action::Http {
+                method: "POST".into(),
+                path: path.into(),
+                headers: headers
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.to_string()))
+                    .collect(),
+                body: None,
+            },
+        }
+    }
+
+    fn email(to: &str, subject: &str) -> Effect {
+        Effect {
+            provider: "email".into(),
+            idempotency_key: "k:1".into(),
+            action: Action::Email {
+                to: vec![to.into()],
+                subject: subject.into(),
+                text: Some("prose may hold anything: \u{1b}[2J\0".into()),
+                html: None,
+                template: None,
+            },
+        }
+    }
+
+    /// Issue 22: a tab or newline inside `..` passed the path check, and
+    /// the URL parser dropped it and resolved the `..` above the base
+    /// URL's path. Control characters in a path are refused first.
+    #[test]
+    fn a_control_character_in_a_path_is_refused_before_a_url_parser_drops_it() {
+        // What the parser does with the text the check used to let through.
+        let parsed = reqwest::Url::parse("http://127.0.0.1:9/api/orders/.\t./admin").unwrap();
+        assert_eq!(parsed.path(), "/api/admin");
+        let partner = provider("http", "http://127.0.0.1:9/api");
+        for path in [
+            "/orders/.\t./admin",
+            "/.\n./.\r./admin",
+            "/orders/\0/events",
+            "/orders/\u{1b}[2J\u{7}",
+            "/orders/\u{85}",
+        ] {
+            let refused = partner.check(&http(path, &[])).unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{path:?}");
+            assert!(!refused.message.contains('\0'), "{:?}", refused.message);
+        }
+        assert!(partner.check(&http("/orders/7/events", &[])).is_ok());
+    }
+
+    /// What `execute` refuses, `check` refuses before the plan is stored:
+    /// headers, recipients and subjects with control characters.
+    #[test]
+    fn check_refuses_what_execute_would() {
+        let partner = provider("http", "http://127.0.0.1:9");
+        for headers in [
+            [("x-a\0", "v")],
+            [("x-a", "v\0")],
+            [("x-a", "v\r\nx-injected: 1")],
+        ] {
+            let refused = partner.check(&http("/x", &headers)).unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{headers:?}");
+        }
+        let mailer = provider("email", "http://127.0.0.1:9");
+        for (to, subject) in [
+            ("ana\0@example.com", "Invoice"),
+            ("ana@example.com\r\nbcc: eve@example.com", "Invoice"),
+            ("ana@example.com", "Invoice\r\nbcc: eve@example.com"),
+            ("ana@example.com", "Invoice \u{1b}[2J"),
+        ] {
+            let refused = mailer.check(&email(to, subject)).unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{to:?} {subject:?}");
+        }
+        assert!(
+            mailer
+                .check(&email("ana@example.com", "Invoice 42"))
+                .is_ok()
+        );
+        assert_eq!(
+            mailer.check(&http("/x", &[])).unwrap_err().code,
+            "unsupported_action"
+        );
     }
 
     #[test]

@@ -17,8 +17,9 @@ use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::store::{
     ChildEffect, ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence,
-    EffectStatus, EffectSucceedParams, Enqueued, Fence, Job, NewJob, Sent, StatementCall,
-    StatementOutcome, StatementParams, Store, StoreError, retry_transient,
+    EffectRecord, EffectStatus, EffectSucceedParams, Enqueued, Fence, Job, NewJob, Sent,
+    StatementCall, StatementOutcome, StatementParams, Store, StoreError, retry_transient,
+    retry_transient_until,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -71,8 +72,11 @@ pub struct Executor {
     pub worker: String,
     /// Lease on an effect key while its provider is called.
     pub effect_lease: Duration,
-    /// Defaults for child jobs.
+    /// Attempts of a child job whose plugin's manifest names none.
     pub child_max_attempts: u32,
+    /// Where a child's plugin is looked up: its manifest's `max_attempts`
+    /// is what the child gets, as an enqueue through the API would.
+    pub registry: Option<Arc<crate::plugins::PluginRegistry>>,
     /// Counters.
     pub stats: Arc<WorkerStats>,
 }
@@ -198,14 +202,15 @@ impl Executor {
         effect: &Effect,
         abort: &CancellationToken,
     ) -> Result<(), PlanOutcome> {
-        let unscoped;
-        let effect = match self.key_of_an_older_release(job, effect).await? {
+        let rekeyed;
+        let (key, row) = self.key_of_an_older_release(job, effect).await?;
+        let effect = match key {
             Some(key) => {
-                unscoped = Effect {
+                rekeyed = Effect {
                     idempotency_key: key,
                     ..effect.clone()
                 };
-                &unscoped
+                &rekeyed
             }
             None => effect,
         };
@@ -234,7 +239,7 @@ impl Executor {
         };
         // A key done (or refused) before needs no provider capacity: look
         // first, so a redelivery skips it even while the provider is down.
-        if let Some(settled) = self.settled(effect).await? {
+        if let Some(settled) = self.settled(effect, row) {
             return Err(settled);
         }
         // A statement on the store's own database commits with its ledger
@@ -316,44 +321,72 @@ impl Executor {
 
     /// Releases before keys were scoped to their plugin stored the plugin's
     /// key as it was (`KEY`, not `PLUGIN/KEY`), and the provider saw it so.
-    /// When the ledger holds this very request of this plugin under that
-    /// older key, the effect is carried out under it: a new job for the same
-    /// business operation must find the older job's effect, not send it again.
+    /// One request of one plugin may so have a row under either key; which
+    /// key it is carried out under must not depend on which delivery runs
+    /// first, or a plan stored by an older release and a duplicate delivery
+    /// after the upgrade could send the same request under both.
+    ///
+    /// The rule, the same for a fresh plan (scoped keys) and a stored one
+    /// (keys as they were): the scoped key when it has a row; else the older
+    /// key when it has a row of this plugin for this very request (an
+    /// older release claimed it); else the scoped key. So every new claim
+    /// goes under the scoped key, and two deliveries that race for a key no
+    /// one claimed yet meet on one ledger row, whose UNIQUE key decides.
+    /// (A stored key too long to scope keeps its own key: a fresh plan's
+    /// scoped form of it would be refused by the key check, so no delivery
+    /// can send it under another key.) Returns the key to use when it is
+    /// not the effect's own, and that key's ledger row as read now.
     async fn key_of_an_older_release(
         &self,
         job: &Job,
         effect: &Effect,
-    ) -> Result<Option<String>, PlanOutcome> {
-        let Some(bare) = effect
-            .idempotency_key
+    ) -> Result<(Option<String>, Option<EffectRecord>), PlanOutcome> {
+        let key = effect.idempotency_key.as_str();
+        let (scoped, older) = match key
             .strip_prefix(job.plugin.as_str())
             .and_then(|rest| rest.strip_prefix('/'))
-        else {
-            return Ok(None);
+        {
+            Some(bare) => (key.to_string(), bare.to_string()),
+            None => (
+                crate::effects::scoped_key(&job.plugin, key),
+                key.to_string(),
+            ),
         };
-        let row = retry_transient(|| self.store.effect_get(bare))
+        let other_than_own = |chosen: String| (chosen != key).then_some(chosen);
+        if crate::store::check_key(&scoped).is_err() {
+            let own = retry_transient(|| self.store.effect_get(key))
+                .await
+                .map_err(PlanOutcome::Store)?;
+            return Ok((None, own));
+        }
+        let row = retry_transient(|| self.store.effect_get(&scoped))
             .await
             .map_err(PlanOutcome::Store)?;
-        Ok(row
+        if row.is_some() {
+            return Ok((other_than_own(scoped), row));
+        }
+        let row = retry_transient(|| self.store.effect_get(&older))
+            .await
+            .map_err(PlanOutcome::Store)?
             .filter(|row| {
                 row.plugin == job.plugin
                     && (row.fingerprint == fingerprint(effect)
                         || row.fingerprint == legacy_fingerprint(effect))
-            })
-            .map(|row| row.key))
+            });
+        Ok(match row {
+            Some(row) => (other_than_own(older), Some(row)),
+            None => (other_than_own(scoped), None),
+        })
     }
 
     /// What the ledger already settled for this key (done, failed, or used
-    /// for another request), read without claiming.
-    async fn settled(&self, effect: &Effect) -> Result<Option<PlanOutcome>, PlanOutcome> {
-        let row = retry_transient(|| self.store.effect_get(&effect.idempotency_key))
-            .await
-            .map_err(PlanOutcome::Store)?;
-        let Some(row) = row else { return Ok(None) };
+    /// for another request), from its row as read before claiming.
+    fn settled(&self, effect: &Effect, row: Option<EffectRecord>) -> Option<PlanOutcome> {
+        let row = row?;
         if row.fingerprint != fingerprint(effect) && row.fingerprint != legacy_fingerprint(effect) {
-            return Ok(Some(conflict(effect)));
+            return Some(conflict(effect));
         }
-        Ok(match row.status {
+        match row.status {
             EffectStatus::Succeeded => {
                 self.hit(effect, row.result_ref.as_deref());
                 Some(PlanOutcome::Skipped)
@@ -365,7 +398,7 @@ impl Executor {
                     .unwrap_or(Code::EffectFailed.as_str()),
             )),
             EffectStatus::Processing | EffectStatus::Retrying => None,
-        })
+        }
     }
 
     fn hit(&self, effect: &Effect, result_ref: Option<&str>) {
@@ -469,7 +502,12 @@ impl Executor {
             idempotency_key: Some(effect.idempotency_key.clone()),
             priority: *priority,
             delay: Duration::from_millis(*delay_ms),
-            max_attempts: self.child_max_attempts,
+            max_attempts: self
+                .registry
+                .as_ref()
+                .and_then(|r| r.get(plugin))
+                .and_then(|p| p.manifest.max_attempts)
+                .unwrap_or(self.child_max_attempts),
             correlation_id: Some(job.correlation_id.clone()),
         })
     }
@@ -561,9 +599,14 @@ impl Executor {
                     fence: fence.clone(),
                     result_ref: delivered.result_ref,
                 };
-                let written = retry_transient(|| self.store.effect_set_succeeded(params.clone()))
-                    .await
-                    .map_err(PlanOutcome::Store)?;
+                // Carried out: the success must outlast a database restart
+                // (see `retry_transient_until`), as long as the key is ours.
+                let deadline = tokio::time::Instant::from_std(started) + self.key_lease(provider);
+                let written = retry_transient_until(deadline, || {
+                    self.store.effect_set_succeeded(params.clone())
+                })
+                .await
+                .map_err(PlanOutcome::Store)?;
                 if written == Fence::FencedOut {
                     self.fenced_out("effect success");
                 }

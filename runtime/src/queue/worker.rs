@@ -143,6 +143,7 @@ impl Worker {
             worker: settings.id.clone(),
             effect_lease: settings.lease,
             child_max_attempts: settings.max_attempts,
+            registry: Some(registry.clone()),
             stats: stats.clone(),
         });
         Arc::new(Worker {

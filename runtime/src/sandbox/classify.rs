@@ -190,3 +190,98 @@ fn convert(effect: wit::Effect) -> Effect {
         action,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::boundary::vectors::{self, Expected};
+
+    fn retryable(code: &str, message: &str) -> wit::JobError {
+        wit::JobError::Retryable(wit::RetryableError {
+            code: code.into(),
+            message: message.into(),
+            retry_after_ms: Some(1500),
+        })
+    }
+
+    fn permanent(code: &str, message: &str) -> wit::JobError {
+        wit::JobError::Permanent(wit::ErrorDetail {
+            code: code.into(),
+            message: message.into(),
+        })
+    }
+
+    /// Issue 22, item 2: a plugin's error code is checked by the
+    /// boundary's rule; an invalid one keeps the plugin's class (and its
+    /// retry hint) and becomes `invalid_error_code`, shown escaped.
+    #[test]
+    fn plugin_error_codes_follow_the_vectors() {
+        let limits = OutputLimits::default();
+        for case in vectors::of("error_code") {
+            for (error, class) in [
+                (retryable(&case.input, "m"), ErrorClass::Retryable),
+                (permanent(&case.input, "m"), ErrorClass::Permanent),
+            ] {
+                let failure = plugin_error(error, &limits);
+                assert_eq!(failure.class, class, "{}", case.note);
+                match case.expected {
+                    Expected::Accepted => assert_eq!(failure.code, case.input, "{}", case.note),
+                    Expected::Refused => {
+                        assert_eq!(failure.code, "invalid_error_code", "{}", case.note);
+                        assert!(!failure.message.contains('\0'), "{}", case.note);
+                        assert!(
+                            failure
+                                .message
+                                .chars()
+                                .all(|c| !c.is_control() || c == '\n'),
+                            "{}: {:?}",
+                            case.note,
+                            failure.message
+                        );
+                    }
+                    Expected::Cleaned(_) => unreachable!("codes are never cleaned"),
+                }
+                if class == ErrorClass::Retryable {
+                    assert_eq!(failure.retry_after, Some(Duration::from_millis(1500)));
+                }
+            }
+        }
+    }
+
+    /// A plugin's message is cleaned by the boundary's rule (kept when it
+    /// is too long for the error caps: then the output is too large).
+    #[test]
+    fn plugin_error_messages_follow_the_vectors() {
+        let limits = OutputLimits::default();
+        for case in vectors::of("error_message") {
+            let failure = plugin_error(retryable("code", &case.input), &limits);
+            if case.input.len() > MAX_ERROR_MESSAGE {
+                assert_eq!(failure.code, "plugin_output_too_large", "{}", case.note);
+                continue;
+            }
+            let want = match &case.expected {
+                Expected::Accepted => case.input.clone(),
+                Expected::Cleaned(Some(out)) => out.clone(),
+                other => panic!("a message is never {other:?}"),
+            };
+            assert_eq!(failure.message, want, "{}", case.note);
+        }
+    }
+
+    /// A panic message from the guest's stderr is cleaned like any other.
+    #[test]
+    fn a_panic_message_is_cleaned() {
+        let failure = Failure::host(
+            Code::PluginPanic,
+            format!(
+                "the plugin panicked: {}",
+                panic_message("thread panicked at src/lib.rs:1:1:\nboom\0\u{1b}[2J").unwrap()
+            ),
+        );
+        assert!(
+            failure.message.contains("boom\u{fffd}\u{fffd}[2J"),
+            "{}",
+            failure.message
+        );
+    }
+}

@@ -60,6 +60,7 @@ impl GuestState {
         for (stream, out) in [("stdout", &self.stdout), ("stderr", &self.stderr)] {
             let text = out.text();
             for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let line = crate::boundary::log_line(line, MAX_LOG_MESSAGE);
                 tracing::info!(job_id = self.job_id, plugin = %self.plugin, stream, "{line}");
             }
         }
@@ -84,7 +85,8 @@ impl log::Host for GuestState {
             }
             return;
         }
-        let message = crate::failure::truncate(message, MAX_LOG_MESSAGE);
+        // Checked where it enters: no forged lines, no terminal escapes.
+        let message = crate::boundary::log_line(&message, MAX_LOG_MESSAGE);
         let (job_id, plugin) = (self.job_id, &*self.plugin);
         match level {
             log::Level::Trace => tracing::trace!(job_id, plugin, "{message}"),

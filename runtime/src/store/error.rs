@@ -103,3 +103,95 @@ where
     }
     call().await
 }
+
+/// Runs a store call again while it fails transiently, until `deadline`
+/// (pauses from 50 ms, doubling, at most 1 s): how the answer of a provider
+/// call is recorded. The request was carried out, so its success must
+/// outlast a database restart, not only a blip ([`retry_transient`] gives up
+/// after ~350 ms): a provider that does not dedupe would otherwise end the
+/// effect in doubt. The key's lease is the natural deadline: after it,
+/// another holder may take the key over and the write is fenced out anyway.
+///
+/// ```no_run
+/// # async fn demo(store: &dyn idem::store::Store, id: idem::store::JobId) -> idem::store::Result<()> {
+/// let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+/// let job = idem::store::retry_transient_until(deadline, || store.job_get(id)).await?;
+/// # Ok(()) }
+/// ```
+pub async fn retry_transient_until<T, F, Fut>(
+    deadline: tokio::time::Instant,
+    mut call: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match call().await {
+            Err(error) if error.is_transient() => {
+                let now = tokio::time::Instant::now();
+                if now + pause > deadline {
+                    return Err(error);
+                }
+                tracing::warn!(%error, ?pause, "transient store error; trying again until the key's lease ends");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A transient failure is tried again until the deadline, then given
+    /// up (the clock is paused: no real waiting).
+    #[tokio::test(start_paused = true)]
+    async fn retries_until_the_deadline() {
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let start = tokio::time::Instant::now();
+        let deadline = start + Duration::from_secs(20);
+        let failing = retry_transient_until(deadline, || async {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Err::<(), _>(StoreError::Database(sqlx::Error::PoolTimedOut))
+        })
+        .await;
+        assert!(failing.unwrap_err().is_transient());
+        let waited = start.elapsed();
+        assert!(
+            waited > Duration::from_secs(18) && waited <= Duration::from_secs(20),
+            "{waited:?}"
+        );
+        assert!(calls.load(std::sync::atomic::Ordering::SeqCst) > 5);
+
+        // It succeeds once the database is back, long after 350 ms.
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let back = tokio::time::Instant::now() + Duration::from_secs(5);
+        let answer = retry_transient_until(
+            tokio::time::Instant::now() + Duration::from_secs(30),
+            || async {
+                calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if tokio::time::Instant::now() < back {
+                    Err(StoreError::Database(sqlx::Error::PoolTimedOut))
+                } else {
+                    Ok(7)
+                }
+            },
+        )
+        .await;
+        assert_eq!(answer.unwrap(), 7);
+
+        // A permanent error is not tried again.
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let refused = retry_transient_until(deadline, || async {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Err::<(), _>(StoreError::Invalid("no".into()))
+        })
+        .await;
+        assert!(refused.is_err());
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+}

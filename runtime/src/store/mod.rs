@@ -43,7 +43,7 @@ pub mod postgres;
 pub mod sqlite;
 
 pub use dialect::BackendKind;
-pub use error::{Result, StoreError, retry_transient};
+pub use error::{Result, StoreError, retry_transient, retry_transient_until};
 pub use model::*;
 pub use queries::Clock;
 pub use sql::SqlStore;

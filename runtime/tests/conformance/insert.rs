@@ -411,3 +411,61 @@ pub async fn job_list_filters(store: Arc<dyn Store>) {
 
     assert!(store.job_get(JobId(i64::MAX)).await.unwrap().is_none());
 }
+
+/// Issue 22, item 2: an enqueue checks queue and plugin names, correlation
+/// ids and keys by the boundary's rules, read from the shared vectors
+/// (`tests/vectors/strings.json`): what the rule accepts is stored as it
+/// is, what it refuses is an invalid input and stores nothing.
+pub async fn insert_checks_text_by_the_shared_vectors(store: Arc<dyn Store>) {
+    use idem::boundary::vectors::{self, Expected};
+    type Make = fn(String) -> NewJob;
+    let fields: [(&str, Make); 4] = [
+        ("name", |v| NewJob {
+            queue: v,
+            ..job("x")
+        }),
+        ("name", |v| NewJob::new(v, b"{}".to_vec())),
+        ("correlation_id", |v| NewJob {
+            correlation_id: Some(v),
+            ..job("x")
+        }),
+        ("idempotency_key", |v| keyed("x", &v)),
+    ];
+    let mut stored = 0;
+    for (field, make) in fields {
+        for case in vectors::of(field) {
+            let new = make(case.input.clone());
+            let got = store.job_insert(new).await;
+            match case.expected {
+                Expected::Accepted => {
+                    let id = got
+                        .unwrap_or_else(|e| panic!("{field} {}: {e:?}", case.note))
+                        .id;
+                    let job = get(&store, id).await;
+                    let kept = match field {
+                        "correlation_id" => job.correlation_id,
+                        "idempotency_key" => job.idempotency_key.unwrap_or_default(),
+                        _ if job.queue == case.input => job.queue,
+                        _ => job.plugin,
+                    };
+                    assert_eq!(kept, case.input, "{field} {}", case.note);
+                    stored += 1;
+                }
+                Expected::Refused => {
+                    let err = got.expect_err(&case.note);
+                    assert!(matches!(err, StoreError::Invalid(_)), "{err:?}");
+                    assert!(!err.to_string().contains('\0'), "the error prints safely");
+                }
+                Expected::Cleaned(_) => panic!("{field} is never cleaned"),
+            }
+        }
+    }
+    let all = store
+        .job_list(JobFilter {
+            limit: 1000,
+            ..JobFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(all.len(), stored, "refused inputs stored nothing");
+}

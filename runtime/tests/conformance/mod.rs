@@ -14,6 +14,8 @@
 //! - [`effects`]: the effect ledger.
 //! - [`batch`]: batched writes and the group commit's buffer.
 //! - [`statements`]: `sql` effects on the store's own database.
+//! - [`model`]: random interleavings of the job state machine against a
+//!   reference model.
 
 pub mod batch;
 pub mod claim;
@@ -21,6 +23,7 @@ pub mod dlq;
 pub mod effects;
 pub mod insert;
 pub mod lifecycle;
+pub mod model;
 pub mod statements;
 
 use futures::future::BoxFuture;
@@ -82,6 +85,7 @@ macro_rules! conformance_suite {
             insert::insert_roundtrip,
             insert::insert_duplicate_key_returns_existing,
             insert::insert_rejects_invalid_input,
+            insert::insert_checks_text_by_the_shared_vectors,
             insert::insert_unique_key_race,
             insert::insert_many_batch_with_duplicates,
             insert::insert_many_without_keys_maps_each_id_to_its_input,
@@ -141,6 +145,7 @@ macro_rules! conformance_suite {
             statements::statement_parameters_are_checked_and_bound,
             statements::statement_the_database_cannot_run_is_permanent,
             statements::statement_past_its_timeout_is_rolled_back_and_retryable,
+            model::job_state_machine_follows_the_model,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
