@@ -75,6 +75,10 @@ where
             "queue {name:?}: concurrency must be at least 1"
         )));
     }
+    for name in queues.keys() {
+        crate::boundary::name(name)
+            .map_err(|refused| D::Error::custom(format!("queue {refused}")))?;
+    }
     Ok(queues)
 }
 
@@ -369,6 +373,9 @@ pub fn parse_queues(text: &str) -> Result<BTreeMap<String, u32>, String> {
                 "{part:?}: expected QUEUE=CONCURRENCY with CONCURRENCY >= 1"
             ));
         }
+        // A queue no job can be enqueued on (the store's name rule) is a
+        // typo to show now, not a worker that waits for nothing.
+        crate::boundary::name(name).map_err(|refused| format!("queue {refused}"))?;
         queues.insert(name.to_string(), n);
     }
     if queues.is_empty() {
@@ -409,6 +416,12 @@ mod tests {
             toml::from_str("[worker]\nqueues = { mail = 3 }\nlease = \"1m\"").unwrap();
         assert_eq!(config.worker.queues["mail"], 3);
         assert_eq!(config.worker.lease, Duration::from_secs(60));
+        let slash = toml::from_str::<Config>("[worker]\nqueues = { \"orders/eu\" = 1 }")
+            .unwrap_err()
+            .to_string();
+        assert!(slash.contains("orders/eu"), "{slash}");
+        assert!(parse_queues("orders/eu=2").is_err());
+        assert!(parse_queues("orders.eu=2,mail").is_ok());
         let zero = toml::from_str::<Config>("[worker]\nqueues = { mail = 0 }").unwrap_err();
         assert!(zero.to_string().contains("at least 1"), "{zero}");
         let err = toml::from_str::<Config>("[worker]\nlease = \"soon\"").unwrap_err();

@@ -1119,8 +1119,8 @@ async fn an_older_release_plan_claims_a_key_no_one_claimed_under_the_scoped_key(
 
 /// Keys are scoped by the plugin's name, and a plugin's name is its file's
 /// name: one the boundary's name rule refuses (`tests/vectors/strings.json`)
-/// cannot be enqueued at all, so no job of it can fail a batch or a ledger
-/// claim later.
+/// is not loaded, and its jobs cannot be enqueued at all, so no job of it
+/// can fail a batch or a ledger claim later.
 async fn a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once(backend: Backend) {
     let h = Harness::new(backend).await;
     let name = "rechnung-\u{fc}";
@@ -1134,7 +1134,17 @@ async fn a_plugin_name_the_key_rules_refuse_fails_its_jobs_at_once(backend: Back
         h.plugins_dir.path().join(format!("{name}.toml")),
     )
     .expect("copy grants");
-    h.registry.refresh();
+    // Refused where it is loaded, saying why ...
+    let report = h.registry.refresh();
+    assert!(h.registry.get(name).is_none(), "not loaded");
+    assert!(
+        report
+            .errors
+            .iter()
+            .any(|(path, why)| path.ends_with(format!("{name}.wasm")) && why.contains("name")),
+        "{report:?}"
+    );
+    // ... and where its jobs would enter.
     let refused = h
         .store
         .job_insert(NewJob::new(

@@ -217,8 +217,67 @@ async fn before_release(backend: Backend) {
     }
 }
 
+/// Issue 22 (review): a redelivery that runs a stored plan records its
+/// start before the first effect, as a fresh plan's save does, so a crash
+/// during the plan's provider call charges the attempt. (Recorded only by
+/// the first heartbeat, the crash was taken for a claim that never started:
+/// the attempt was given back, and a plan that kills its host ran up to ten
+/// times whatever `max_attempts` said.)
+async fn a_stored_plan_that_dies_in_its_effect_charges_the_attempt(backend: Backend) {
+    use idem::effects::{Action, Effect};
+    use idem::store::{ClaimParams, SavePlanParams};
+    let h = Harness::new(backend).await;
+    // A plan stored by an earlier attempt that was given back.
+    let id = h.store.job_insert(invoice(42)).await.unwrap().id;
+    let job = h
+        .store
+        .job_claim(ClaimParams {
+            queue: "default".into(),
+            worker: "earlier".into(),
+            limit: 1,
+            lease: Duration::from_secs(60),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    let plan = vec![Effect {
+        provider: "email".into(),
+        idempotency_key: KEY.into(),
+        action: Action::Email {
+            to: vec!["ana@example.com".into()],
+            subject: "Invoice 42".into(),
+            text: Some("hi".into()),
+            html: None,
+            template: None,
+        },
+    }];
+    h.store
+        .job_save_plan(SavePlanParams {
+            fence: job.fence(),
+            plan: serde_json::to_string(&plan).unwrap(),
+            plugin_hash: "earlier".into(),
+        })
+        .await
+        .unwrap();
+    h.store.job_release(&job.fence()).await.unwrap();
+    let config = h.config_file(Duration::from_secs(5));
+    died(start(config.path(), "after_key_claimed=abort")).await;
+    let crashed = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(crashed.attempt, 1);
+    assert!(crashed.started, "recorded before the first effect");
+    let stats = take_over(&h).await;
+    assert_eq!(stats.plans_reused, 1);
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    assert_eq!(job.attempt, 2, "the crashed attempt is charged");
+    assert_eq!((job.rescues, job.unstarted_rescues), (1, 0));
+    assert_eq!(h.provider.applied(KEY), 1, "applied exactly once");
+}
+
 both_backends!(
     after_plugin_call,
+    a_stored_plan_that_dies_in_its_effect_charges_the_attempt,
     after_plan_stored,
     after_key_claimed,
     after_provider_call,

@@ -102,6 +102,12 @@ pub struct BenchArgs {
     /// Jobs claimed ahead per queue (default: the configuration's).
     #[arg(long)]
     pub prefetch: Option<usize>,
+    /// Burn-down: every Nth job is a `hostile_text` job (its plugin must
+    /// be in the plugins folder) whose output puts NUL, control characters
+    /// and long messages where the store and the log meet them: the drain
+    /// of the others should not notice (issue 22). 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub hostile_every: u32,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -317,6 +323,41 @@ fn job(plugin: BenchPlugin, i: u64) -> NewJob {
     NewJob::new(plugin.name(), payload(i))
 }
 
+/// The cases of `hostile_text` a bench mixes in: each ends where the store,
+/// the ledger or the log meets the plugin's text.
+const HOSTILE_CASES: [&str; 7] = [
+    "nul_code",
+    "message_escapes",
+    "message_large",
+    "code_unicode",
+    "key_nul",
+    "child_queue_escapes",
+    "log_escapes",
+];
+
+/// Job `i` of a burn-down: every `hostile_every`th one a hostile job.
+fn bench_job(plugin: BenchPlugin, hostile_every: u32, i: u64) -> NewJob {
+    let every = u64::from(hostile_every);
+    let new = if every > 0 && i % every == every - 1 {
+        let case = HOSTILE_CASES[((i / every) as usize) % HOSTILE_CASES.len()];
+        NewJob::new(
+            "hostile_text",
+            format!(r#"{{"case":"{case}"}}"#).into_bytes(),
+        )
+    } else {
+        job(plugin, i)
+    };
+    NewJob {
+        max_attempts: 1,
+        ..new
+    }
+}
+
+/// How many of the first `jobs` jobs [`bench_job`] makes hostile.
+fn hostile_count(jobs: u32, hostile_every: u32) -> u32 {
+    jobs.checked_div(hostile_every).unwrap_or(0)
+}
+
 /// The plugin alone: fresh instance and call, mean µs per job.
 async fn sandbox_time(registry: &PluginRegistry, plugin: &LoadedPlugin) -> f64 {
     let input = |i: u64| JobInput {
@@ -443,10 +484,7 @@ async fn measure(
         BenchMode::BurnDown => {
             let backlog = report.backlog;
             let jobs: Vec<NewJob> = (0..u64::from(args.jobs))
-                .map(|i| NewJob {
-                    max_attempts: 1,
-                    ..job(args.plugin, i)
-                })
+                .map(|i| bench_job(args.plugin, args.hostile_every, i))
                 .collect();
             let started = Instant::now();
             store.job_insert_many(jobs).await.map_err(runtime)?;
@@ -501,7 +539,8 @@ async fn measure(
             let took = took.unwrap_or_else(|| started.elapsed());
             let stats = store.queue_stats(Some("default")).await.map_err(runtime)?;
             let done = stats.count(JobState::Succeeded);
-            if done < i64::from(args.jobs) {
+            // A hostile job that only logs succeeds; the others end dead.
+            if done < i64::from(args.jobs - hostile_count(args.jobs, args.hostile_every)) {
                 return Err(CliError::Failed(format!(
                     "only {done} of {} jobs succeeded ({} dead): the benchmark's plugin or provider failed; run with --log info",
                     args.jobs,
@@ -819,6 +858,21 @@ fn print_table(report: &Report) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_nth_bench_job_is_hostile_and_counted() {
+        let jobs: Vec<NewJob> = (0..62)
+            .map(|i| bench_job(BenchPlugin::Noop, 31, i))
+            .collect();
+        let hostile: Vec<&NewJob> = jobs.iter().filter(|j| j.plugin == "hostile_text").collect();
+        assert_eq!(hostile.len(), 2);
+        assert_eq!(hostile.len() as u32, hostile_count(62, 31));
+        assert_eq!(jobs[30].plugin, "hostile_text");
+        assert_ne!(hostile[0].payload, hostile[1].payload, "the cases cycle");
+        assert!(jobs.iter().all(|j| j.max_attempts == 1));
+        assert_eq!(hostile_count(62, 0), 0);
+        assert!((0..62).all(|i| bench_job(BenchPlugin::Noop, 0, i).plugin == "noop"));
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {

@@ -77,6 +77,10 @@ pub enum LoadError {
     /// The declaration is malformed, or the manifest widens it.
     #[error(transparent)]
     Grants(#[from] super::GrantsError),
+    /// The plugin's name (its file's name) breaks the name rule: no job of
+    /// it could be enqueued, so it is refused where it is loaded.
+    #[error("plugin {0}")]
+    Name(#[from] crate::boundary::Refused),
 }
 
 /// The plugins of one folder, by name.
@@ -254,6 +258,7 @@ pub fn load(
     wasm: &[u8],
     manifest_text: Option<String>,
 ) -> Result<LoadedPlugin, LoadError> {
+    crate::boundary::name(name)?;
     let manifest = match &manifest_text {
         Some(text) => Manifest::parse(text)?,
         None => Manifest::default(),

@@ -18,7 +18,7 @@ use crate::plugins::{LoadedPlugin, PluginRegistry};
 use crate::providers::Providers;
 use crate::sandbox::{JobInput, RunError};
 use crate::store::group_commit::{GroupCommit, GroupCommitSettings};
-use crate::store::{Fence, Job, SavePlanParams, Store, StoreError};
+use crate::store::{Fence, Job, JobChange, SavePlanParams, Store, StoreError, Write, Written};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -672,6 +672,13 @@ impl Worker {
                         "redelivery: executing the stored plan"
                     );
                     WorkerStats::bump(&self.stats.plans_reused);
+                    // Effects run only on an attempt recorded as started,
+                    // as a fresh plan's save records it: a crash during a
+                    // stored plan's provider call charges its attempt.
+                    let lease = self.lease_for(plugin.as_deref());
+                    if !self.record_start(job, lease).await? {
+                        return Ok((Attempt::LeaseLost, Version::default()));
+                    }
                     plan
                 }
                 Err(error) => {
@@ -785,6 +792,24 @@ impl Worker {
 
     /// Stores a fresh plan, durable before its first effect runs; `false`
     /// when the attempt no longer holds the job.
+    /// Records that this attempt started, before a stored plan's first
+    /// effect (a fresh plan's save records it with the plan). Cheap where
+    /// it happens: only redeliveries run stored plans. `false`: the lease
+    /// was lost.
+    async fn record_start(&self, job: &Job, lease: Duration) -> Result<bool, StoreError> {
+        let start = || {
+            self.store.write(Write::Job {
+                fence: job.fence(),
+                change: JobChange::Heartbeat {
+                    lease,
+                    started: true,
+                },
+            })
+        };
+        let written = crate::store::retry_transient(start).await?;
+        Ok(written == Written::Job(Fence::Applied))
+    }
+
     async fn store_plan(
         &self,
         job: &Job,

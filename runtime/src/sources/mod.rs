@@ -142,10 +142,11 @@ impl SourceConfig {
             return Err(missing("`plugin`"));
         }
         let job_queue = self.job_queue.as_deref().unwrap_or("default");
-        if job_queue.is_empty() || job_queue.len() > 128 || self.plugin.len() > 128 {
-            return Err(format!(
-                "source {name:?}: `plugin` and `job_queue` are 1 to 128 bytes"
-            ));
+        // The store's name rule, checked here: a name it refuses would fail
+        // every batch of the source, and the broker would redeliver it for ever.
+        for (field, value) in [("plugin", self.plugin.as_str()), ("job_queue", job_queue)] {
+            crate::boundary::name(value)
+                .map_err(|refused| format!("source {name:?}: `{field}`: {refused}"))?;
         }
         if self.batch == 0 || self.prefetch == 0 || self.batch > usize::from(self.prefetch) {
             return Err(format!(
@@ -639,6 +640,22 @@ mod tests {
                 .is_err()
         );
         assert!(parse("queue = \"q\"").check().is_ok());
+        // Names the store refuses are refused here, before any message is
+        // consumed (each batch would fail, and be redelivered, for ever).
+        let slash = parse("queue = \"q\"\njob_queue = \"orders/eu\"")
+            .check()
+            .unwrap_err();
+        assert!(slash.contains("job_queue"), "{slash}");
+        let plugin = toml::from_str::<SourceConfig>(
+            "kind = \"amqp\"\nurl = \"amqp://x\"\nplugin = \"p\\u0000\"\nkey = \"message_id\"\nqueue = \"q\"",
+        )
+        .unwrap()
+        .check()
+        .unwrap_err();
+        assert!(
+            plugin.contains("plugin") && !plugin.contains('\0'),
+            "{plugin}"
+        );
         assert!(
             toml::from_str::<SourceConfig>(
                 "kind = \"kafka\"\nurl = \"x\"\nplugin = \"p\"\nkey = \"k\""

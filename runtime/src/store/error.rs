@@ -63,6 +63,30 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// Whether the database (or the input check) refused the data of a
+    /// batch, so nothing of it committed and a part of it may: a value it
+    /// cannot store, a constraint or a trigger that raised. How the group
+    /// commit knows a failed batch may be split to find the write at fault;
+    /// any other failure (transient, or after the commit, like a corrupt
+    /// answer) fails the batch as a whole, which is never committed twice.
+    ///
+    /// ```
+    /// use idem::store::StoreError;
+    /// assert!(StoreError::Invalid("x".into()).is_refusal());
+    /// assert!(!StoreError::Corrupt("x".into()).is_refusal());
+    /// ```
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            StoreError::Database(sqlx::Error::Database(_) | sqlx::Error::Encode(_)) => {
+                !self.is_transient()
+            }
+            StoreError::Invalid(_) => true,
+            _ => false,
+        }
+    }
+}
+
 /// Database error codes worth retrying. PostgreSQL SQLSTATEs: serialization
 /// failure, deadlock, shutdown or not yet accepting connections, too many
 /// connections, connection exceptions, statement timeout (a half-open

@@ -23,12 +23,13 @@
 //!   backlog of outcomes never delays the heartbeats that keep their jobs'
 //!   leases (an extension after a job's finish is fenced out, so they need
 //!   no order with outcomes).
-//! - **A bad write fails only itself.** A batch the database refuses for
-//!   something other than a transient fault (a value it cannot store, a
-//!   trigger that raises) is split in halves and committed again until the
+//! - **A bad write fails only itself.** A batch whose data the database
+//!   refuses (a value it cannot store, a trigger that raises: nothing
+//!   committed) is split in halves and committed again until the
 //!   offending write stands alone; it alone gets the error, classified, and
-//!   every other write its own answer. A flush that panics answers its
-//!   writes with the error and the flusher goes on.
+//!   every other write its own answer. A flush that panics, or fails after
+//!   its commit, answers its writes with the error, is never committed
+//!   again, and the flusher goes on.
 
 use super::{
     BackendKind, ClaimParams, EffectPruneParams, EffectRecord, Enqueued, Job, JobFilter, JobId,
@@ -451,11 +452,12 @@ async fn commit(store: &dyn Store, batch: Vec<Pending>) {
     }
 }
 
-/// Commits `writes` as one batch; when the database refuses it for
-/// something other than a transient fault, commits each half again, down
-/// to the write at fault, so only that write gets the error. A transient
-/// failure fails the whole batch (every write may be tried again). One
-/// answer per write, in order.
+/// Commits `writes` as one batch; when the database refuses its data
+/// ([`StoreError::is_refusal`]: nothing committed), commits each half
+/// again, down to the write at fault, so only that write gets the error.
+/// Any other failure (transient, a panic, a failure after the commit) fails
+/// the whole batch, so no write is ever committed twice. One answer per
+/// write, in order.
 fn commit_isolated<'a>(
     store: &'a dyn Store,
     writes: Vec<Write>,
@@ -469,7 +471,7 @@ fn commit_isolated<'a>(
             Ok(Ok(answers)) if answers.len() == n => {
                 return answers.into_iter().map(Ok).collect();
             }
-            Ok(Ok(answers)) => StoreError::Invalid(format!(
+            Ok(Ok(answers)) => StoreError::Corrupt(format!(
                 "the store answered {} writes of {n}",
                 answers.len()
             )),
@@ -481,10 +483,13 @@ fn commit_isolated<'a>(
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "a panic".into());
                 tracing::error!(panic = ?why, writes = n, "a flush panicked; its writes fail and the flusher goes on");
-                StoreError::Invalid(format!("the flush panicked: {why}"))
+                // Whether it committed is unknown: never split and retry.
+                StoreError::Batch(Arc::new(StoreError::Invalid(format!(
+                    "the flush panicked: {why}"
+                ))))
             }
         };
-        if n <= 1 || error.is_transient() {
+        if n <= 1 || !error.is_refusal() {
             let error = Arc::new(error);
             return (0..n)
                 .map(|_| Err(StoreError::Batch(error.clone())))

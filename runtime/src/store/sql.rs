@@ -817,7 +817,13 @@ impl Store for SqlStore {
                 child: answered,
             }) = answers.get_mut(index)
             {
-                *answered = Some(self.existing_child(child).await?);
+                // After the commit: a failure here must not read as the
+                // batch's data being refused (see `StoreError::is_refusal`).
+                let existing = self
+                    .existing_child(child)
+                    .await
+                    .map_err(|e| StoreError::Batch(std::sync::Arc::new(e)))?;
+                *answered = Some(existing);
             }
         }
         Ok(answers)
