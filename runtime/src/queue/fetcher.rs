@@ -7,9 +7,11 @@
 //! queue holds no more than one round of jobs ahead, as other nodes could
 //! run them) and at most `max_prefetch`. The buffer is refilled when half of
 //! it is used, so the handlers still have work while the claim is in flight.
-//! A job holds a slot from its claim until its outcome is committed, so at
-//! most `concurrency + max_prefetch` jobs are held at once, those whose
-//! outcomes wait for the store included. The lease keeper
+//! A job holds a slot from its claim until its handler takes it, so at most
+//! `concurrency + max_prefetch` jobs wait or run at once; claims also wait
+//! while more than two claims' worth of writes are queued for the group
+//! commit (back-pressure: outcomes cannot pile up past their leases behind
+//! a store that falls behind). The lease keeper
 //! holds every claimed job from the moment of its claim, so a buffered
 //! job's lease is extended like a running one's.
 
@@ -27,10 +29,8 @@ pub const AHEAD: Duration = Duration::from_millis(50);
 pub struct Claimed {
     /// The job.
     pub job: Job,
-    /// Its slot in the fetcher's buffer, held until the job's outcome is
-    /// committed: outcomes waiting for the group commit count against the
-    /// buffer, so claims wait while the store falls behind (back-pressure)
-    /// instead of piling claimed jobs up past their leases.
+    /// Its slot in the fetcher's buffer, given back when a handler takes
+    /// the job.
     pub slot: OwnedSemaphorePermit,
     /// When it was claimed (its wait in the buffer is a metric).
     pub claimed_at: Instant,
@@ -138,6 +138,7 @@ impl Pace {
 pub async fn run(
     store: Arc<dyn Store>,
     settings: FetchSettings,
+    outcomes: Option<Arc<crate::store::group_commit::GroupCommit>>,
     keeper: Arc<LeaseKeeper>,
     buffer: async_channel::Sender<Claimed>,
     stop: CancellationToken,
@@ -155,7 +156,19 @@ pub async fn run(
     let (mut held_expected, mut cycle_start) = (0usize, Instant::now());
     let mut claims = 0u64;
     let mut errors = 0u32;
+    // Back-pressure: while more writes wait for the group commit than a
+    // few claims bring, claims wait, so finished jobs' outcomes (and the
+    // leases they hold) cannot pile up behind a store that falls behind.
+    let bound = 2 * max_claim;
     loop {
+        if let Some(group) = &outcomes {
+            while group.queued() > bound {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(1)) => {}
+                }
+            }
+        }
         // Claim once half of the wanted buffer is used: the other half keeps
         // the handlers busy while the claim runs, and a busy queue claims
         // many jobs per statement instead of one per finished job.

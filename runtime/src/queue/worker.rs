@@ -256,6 +256,7 @@ impl Worker {
                     queue_limit: self.settings.queue_limits.get(queue).copied(),
                     poll_interval: self.settings.poll_interval,
                 },
+                Some(self.group.clone()),
                 self.keeper.clone(),
                 sender,
                 stop_claiming.clone(),
@@ -375,17 +376,20 @@ impl Worker {
                     claimed_at,
                 } = claimed;
                 metrics::buffer_wait(&job.queue, claimed_at.elapsed());
+                // The slot goes back as the job starts: holding it until the
+                // outcome committed made the commit's latency part of every
+                // job's time in the buffer (0.62x drain, docs/benchmarks.md).
+                // The back-pressure is the fetcher's bound on queued writes.
+                drop(slot);
                 let span = job_span(&job);
                 let hold = self.keeper.hold_until_dropped(job.fence(), idle.clone());
                 let outcome = self.process(job, stop, hold).instrument(span.clone()).await;
-                // The job stays held (its lease extended), and keeps its
-                // slot, until its outcome committed: a store that falls
-                // behind slows the claims down instead of piling outcomes
-                // up past their leases. Without an outcome (the store
+                // The job stays held (its lease extended) until its outcome
+                // committed; claims wait while too many writes are queued
+                // (see `fetcher::run`). Without an outcome (the store
                 // failed) the hold is gone: the lease expires and the job
                 // is delivered again.
-                if let Some(mut outcome) = outcome {
-                    outcome.slot = Some(slot);
+                if let Some(outcome) = outcome {
                     let _entered = span.enter();
                     self.record_later(outcome, span.clone(), &recording);
                 }
@@ -582,7 +586,6 @@ impl Worker {
             long_way,
             stop,
             hold,
-            slot: None,
         })
     }
 
@@ -869,9 +872,6 @@ struct Outcome {
     stop: CancellationToken,
     /// The job is held, its lease extended, until the outcome is dropped.
     hold: Hold,
-    /// Its slot in the claim-ahead buffer, given back with the outcome
-    /// (see [`Claimed::slot`]).
-    slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// The span of one job: every log line of its attempt and of its recording
