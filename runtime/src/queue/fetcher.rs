@@ -138,7 +138,7 @@ impl Pace {
 pub async fn run(
     store: Arc<dyn Store>,
     settings: FetchSettings,
-    outcomes: Option<Arc<crate::store::group_commit::GroupCommit>>,
+    outcomes: Arc<crate::store::group_commit::GroupCommit>,
     keeper: Arc<LeaseKeeper>,
     buffer: async_channel::Sender<Claimed>,
     stop: CancellationToken,
@@ -161,12 +161,10 @@ pub async fn run(
     // leases they hold) cannot pile up behind a store that falls behind.
     let bound = 2 * max_claim;
     loop {
-        if let Some(group) = &outcomes {
-            while group.queued() > bound {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(1)) => {}
-                }
+        while outcomes.queued() > bound {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_millis(1)) => {}
             }
         }
         // Claim once half of the wanted buffer is used: the other half keeps

@@ -256,7 +256,7 @@ impl Worker {
                     queue_limit: self.settings.queue_limits.get(queue).copied(),
                     poll_interval: self.settings.poll_interval,
                 },
-                Some(self.group.clone()),
+                self.group.clone(),
                 self.keeper.clone(),
                 sender,
                 stop_claiming.clone(),

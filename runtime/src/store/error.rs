@@ -61,9 +61,7 @@ impl StoreError {
             _ => false,
         }
     }
-}
 
-impl StoreError {
     /// Whether the database (or the input check) refused the data of a
     /// batch, so nothing of it committed and a part of it may: a value it
     /// cannot store, a constraint or a trigger that raised. How the group
