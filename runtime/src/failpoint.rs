@@ -41,11 +41,14 @@ pub enum Failpoint {
     /// A broker source: after the jobs were inserted, before the messages
     /// are acknowledged.
     AfterInsertBeforeAck,
+    /// The group commit: a batch about to be written (`panic` here is a
+    /// flush that panics; `pause` a slow flush).
+    InFlush,
 }
 
 impl Failpoint {
     /// Every failpoint.
-    pub const ALL: [Failpoint; 9] = [
+    pub const ALL: [Failpoint; 10] = [
         Failpoint::AfterPluginCall,
         Failpoint::AfterPlanStored,
         Failpoint::AfterKeyClaimed,
@@ -55,6 +58,7 @@ impl Failpoint {
         Failpoint::InHeartbeat,
         Failpoint::BeforeRelease,
         Failpoint::AfterInsertBeforeAck,
+        Failpoint::InFlush,
     ];
 
     /// The name used in `IDEM_FAILPOINTS`.
@@ -73,6 +77,7 @@ impl Failpoint {
             Failpoint::InHeartbeat => "in_heartbeat",
             Failpoint::BeforeRelease => "before_release",
             Failpoint::AfterInsertBeforeAck => "after_insert_before_ack",
+            Failpoint::InFlush => "in_flush",
         }
     }
 

@@ -464,9 +464,12 @@ fn commit_isolated<'a>(
 ) -> futures::future::BoxFuture<'a, Vec<Result<Written>>> {
     async move {
         let n = writes.len();
-        let tried = std::panic::AssertUnwindSafe(store.write_batch(writes.clone()))
-            .catch_unwind()
-            .await;
+        let tried = std::panic::AssertUnwindSafe(async {
+            crate::failpoint::hit(crate::failpoint::Failpoint::InFlush).await?;
+            store.write_batch(writes.clone()).await
+        })
+        .catch_unwind()
+        .await;
         let error = match tried {
             Ok(Ok(answers)) if answers.len() == n => {
                 return answers.into_iter().map(Ok).collect();
