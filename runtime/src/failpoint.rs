@@ -29,7 +29,10 @@ pub enum Failpoint {
     AfterKeyClaimed,
     /// After the provider answered, before the key is marked.
     AfterProviderCall,
-    /// After the key is marked, before the job finishes.
+    /// After a key is marked, before the job finishes: a `jobs` or `sql`
+    /// effect's own write, or a provider effect's success once it has
+    /// committed with the next effect's claim (the last effect's success
+    /// commits with the job's, so there is no such window for it).
     AfterKeyMarked,
     /// A `sql` effect: after its statement ran, before its transaction
     /// (the statement with the ledger, or with the guard row) commits.

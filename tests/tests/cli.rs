@@ -695,6 +695,7 @@ fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
                 worker: "w".into(),
                 job_attempt: job.attempt,
                 lease: Duration::from_secs(60),
+                older_key: None,
             })
             .await
             .unwrap();

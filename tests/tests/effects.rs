@@ -3,7 +3,7 @@
 
 use idem::effects::{Action, Effect, fingerprint, legacy_fingerprint};
 use idem::failure::ErrorClass;
-use idem::queue::executor::{Executor, PlanOutcome};
+use idem::queue::executor::{Executor, PlanOutcome, Riders};
 use idem::queue::outcome::DeferReason;
 use idem::queue::stats::WorkerStats;
 use idem::queue::{Worker, WorkerSettings};
@@ -410,7 +410,8 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
     // While A's call is in flight, A's job lease runs out and B takes the
     // job over: the key's own lease (sized from the provider timeout) still
     // protects A's call.
-    let (ra, (rb, job_b)) = tokio::join!(a.execute(&job, &plan, &never), async {
+    let (mut riders_a, mut riders_b) = (Riders::default(), Riders::default());
+    let (ra, (rb, job_b)) = tokio::join!(a.execute(&job, &plan, &never, &mut riders_a), async {
         tokio::time::sleep(Duration::from_millis(100)).await;
         h.store
             .clock_advance(Duration::from_secs(11))
@@ -418,7 +419,7 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
             .unwrap();
         assert_eq!(h.store.job_rescue_expired(10).await.unwrap(), [job.id]);
         let job_b = h.store.job_claim(claim("b")).await.unwrap().remove(0);
-        (b.execute(&job_b, &plan, &never).await, job_b)
+        (b.execute(&job_b, &plan, &never, &mut riders_b).await, job_b)
     });
     match (&ra, &rb) {
         (PlanOutcome::Done, PlanOutcome::Deferred { reason, .. }) => {
@@ -431,15 +432,26 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
         h.provider.applied("send_invoice_email/invoice:42:email:v1"),
         1
     );
-    // B's retry finds the effect done; A, fenced out of the job, claims nothing.
+    // A's ledger success rides with A's outcome (written here as the
+    // worker would, though A's job write itself is fenced out).
+    assert_eq!(riders_a.writes().len(), 1, "the success rides");
+    assert!(riders_b.is_empty(), "B deferred before any write");
+    a.write_riders(riders_a).await.unwrap();
+    // B's retry finds the effect done.
     assert!(matches!(
-        b.execute(&job_b, &plan, &never).await,
+        b.execute(&job_b, &plan, &never, &mut Riders::default())
+            .await,
         PlanOutcome::Done
     ));
     assert_eq!(b.stats.snapshot().idempotency_hits, 1);
+    // A, fenced out of the job, claims nothing: its claim (no read before
+    // it) learns the job is no longer A's.
     assert!(
-        matches!(a.execute(&job, &plan, &never).await, PlanOutcome::Done),
-        "A's key is done (looked up before any claim)"
+        matches!(
+            a.execute(&job, &plan, &never, &mut Riders::default()).await,
+            PlanOutcome::LeaseLost
+        ),
+        "A no longer holds the job"
     );
     assert_eq!(
         h.provider
@@ -601,6 +613,7 @@ async fn ghost_sent(h: &Harness, effect: &Effect, lease: Duration) -> Job {
             worker: "ghost".into(),
             job_attempt: job.attempt,
             lease,
+            older_key: None,
         })
         .await
         .unwrap();
@@ -747,6 +760,7 @@ async fn a_job_deferred_longer_than_max_deferral_is_dead_lettered(backend: Backe
             worker: "blocker".into(),
             job_attempt: held.attempt,
             lease: Duration::from_secs(36_000),
+            older_key: None,
         })
         .await
         .unwrap();
@@ -873,6 +887,7 @@ async fn claim_as_an_older_release(
             worker: "old-release".into(),
             job_attempt: held.attempt,
             lease: Duration::from_secs(60),
+            older_key: None,
         })
         .await
         .unwrap()

@@ -125,16 +125,38 @@ async fn after_provider_call(backend: Backend) {
 }
 
 async fn after_key_marked(backend: Backend) {
+    // order_sync's plan: a webhook, then the child invoice job. The
+    // webhook's success commits with the child effect's claim (the last
+    // effect's success commits with the job's own, so a one-effect plan has
+    // no such window); the process dies right after that commit.
+    const WEBHOOK: &str = "order_sync/webhook:evt_3:acme";
     let h = Harness::new(backend).await;
-    let id = dies_at(&h, "after_key_marked").await;
+    let order = NewJob::new(
+        "order_sync",
+        br#"{"order_id": 3, "event_id": "evt_3", "destination": "acme"}"#.to_vec(),
+    );
+    let id = h.store.job_insert(order).await.unwrap().id;
+    let config = h.config_file(Duration::from_secs(5));
+    died(start(config.path(), "after_key_marked=abort")).await;
     assert_eq!(
-        h.store.effect_get(KEY).await.unwrap().unwrap().status,
+        h.store.effect_get(WEBHOOK).await.unwrap().unwrap().status,
         idem::store::EffectStatus::Succeeded
     );
     let stats = take_over(&h).await;
-    finished_once(&h, id).await;
-    assert_eq!(stats.idempotency_hits, 1, "the key is found done");
-    assert_eq!(h.provider.requests(KEY), 1);
+    let job = h.store.job_get(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Succeeded, "{job:?}");
+    assert_eq!(
+        (job.attempt, job.rescues),
+        (2, 1),
+        "the lost attempt is counted"
+    );
+    assert_eq!(stats.idempotency_hits, 1, "the webhook is found done");
+    assert_eq!(h.provider.requests(WEBHOOK), 1, "and not sent again");
+    assert_eq!(
+        h.provider.applied("send_invoice_email/invoice:3:email:v1"),
+        1,
+        "the child job was enqueued once and ran"
+    );
 }
 
 async fn in_heartbeat(backend: Backend) {

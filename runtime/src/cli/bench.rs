@@ -108,6 +108,11 @@ pub struct BenchArgs {
     /// of the others should not notice (issue 22). 0: none.
     #[arg(long, default_value_t = 0)]
     pub hostile_every: u32,
+    /// `--plugin http`: call this provider (an `idem provider-server`
+    /// another process runs, e.g. the one a peer's benchmark calls too)
+    /// instead of a server inside this process.
+    #[arg(long, value_name = "URL")]
+    pub provider_url: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -192,8 +197,44 @@ pub struct Report {
     pub continuous_jobs_per_s: Option<u64>,
     /// The plugin alone in the sandbox: fresh instance + call, µs per job.
     pub sandbox_us_per_job: f64,
+    /// Where a drained job's handler time went (one worker process).
+    pub breakdown: Option<Breakdown>,
     /// Peak resident memory of this process, MiB.
     pub peak_rss_mib: f64,
+}
+
+/// A handler's time per job in a drain, µs: the plugin call, the waits
+/// for the store the attempt could not go on without (plans, ledger
+/// claims), the provider calls, and the rest (scheduling, parsing). The
+/// outcome's commit is not part of it: the handler does not wait for it.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Breakdown {
+    /// Attempt, in all.
+    pub attempt_us: f64,
+    /// Plugin call (fresh instance + call).
+    pub plugin_call_us: f64,
+    /// Store waits.
+    pub store_wait_us: f64,
+    /// Provider calls.
+    pub provider_call_us: f64,
+    /// The rest.
+    pub other_us: f64,
+}
+
+impl Breakdown {
+    fn of(stats: &crate::queue::stats::StatsSnapshot) -> Option<Self> {
+        let jobs = stats.plugin_calls.max(1) as f64;
+        let per_job = |us: u64| us as f64 / jobs;
+        (stats.plugin_calls > 0).then(|| Breakdown {
+            attempt_us: per_job(stats.attempt_us),
+            plugin_call_us: per_job(stats.plugin_call_us),
+            store_wait_us: per_job(stats.store_wait_us),
+            provider_call_us: per_job(stats.provider_call_us),
+            other_us: per_job(stats.attempt_us.saturating_sub(
+                stats.plugin_call_us + stats.store_wait_us + stats.provider_call_us,
+            )),
+        })
+    }
 }
 
 /// The machine a run was measured on.
@@ -450,7 +491,7 @@ async fn measure(
     if let Some(prefetch) = args.prefetch {
         settings.prefetch = prefetch;
     }
-    let provider = ProviderSetup::start(args.plugin, args.concurrency).await?;
+    let provider = ProviderSetup::start(args.plugin, args.provider_url.as_deref()).await?;
     let mut report = Report {
         idem: env!("CARGO_PKG_VERSION"),
         backend: scratch.store.backend().to_string(),
@@ -478,6 +519,7 @@ async fn measure(
         latency: None,
         continuous_jobs_per_s: None,
         sandbox_us_per_job: sandbox_time(registry, plugin).await,
+        breakdown: None,
         peak_rss_mib: 0.0,
     };
     match args.mode {
@@ -535,6 +577,7 @@ async fn measure(
                     .await
                     .map_err(|e| CliError::Runtime(e.into()))?
                     .map_err(runtime)?;
+                report.breakdown = Breakdown::of(&stats.snapshot());
             }
             let took = took.unwrap_or_else(|| started.elapsed());
             let stats = store.queue_stats(Some("default")).await.map_err(runtime)?;
@@ -581,20 +624,44 @@ fn per_second(jobs: u32, took: Duration) -> u64 {
     (f64::from(jobs) / took.as_secs_f64().max(1e-9)).round() as u64
 }
 
-/// The local provider server, for the `http` plugin.
+/// The provider of the `http` plugin: one at `--provider-url`, or a
+/// provider server inside this process.
 struct ProviderSetup {
     base_url: String,
     #[cfg(feature = "provider-server")]
-    _server: idem_provider_server::ProviderServerHandle,
+    _server: Option<idem_provider_server::ProviderServerHandle>,
 }
 
 impl ProviderSetup {
-    #[cfg(feature = "provider-server")]
-    async fn start(plugin: BenchPlugin, concurrency: u32) -> Result<Option<Self>, CliError> {
-        if plugin != BenchPlugin::Http {
-            return Ok(None);
+    /// `--provider-url`, checked: an http(s) URL.
+    fn external(url: &str) -> Result<Self, CliError> {
+        let parsed = reqwest::Url::parse(url)
+            .map_err(|e| CliError::Usage(format!("--provider-url {url:?}: {e}")))?;
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+            return Err(CliError::Usage(format!(
+                "--provider-url {url:?}: expected http://HOST:PORT or https://..."
+            )));
         }
-        let _ = concurrency;
+        Ok(ProviderSetup {
+            base_url: url.trim_end_matches('/').to_string(),
+            #[cfg(feature = "provider-server")]
+            _server: None,
+        })
+    }
+
+    #[cfg(feature = "provider-server")]
+    async fn start(plugin: BenchPlugin, url: Option<&str>) -> Result<Option<Self>, CliError> {
+        if plugin != BenchPlugin::Http {
+            return match url {
+                Some(_) => Err(CliError::Usage(
+                    "--provider-url is for --plugin http".into(),
+                )),
+                None => Ok(None),
+            };
+        }
+        if let Some(url) = url {
+            return Self::external(url).map(Some);
+        }
         let server = idem_provider_server::ProviderServerHandle::start(
             idem_provider_server::ProviderServerConfig::default(),
         )
@@ -602,18 +669,22 @@ impl ProviderSetup {
         .map_err(|e| CliError::Runtime(anyhow::anyhow!("cannot start the provider server: {e}")))?;
         Ok(Some(ProviderSetup {
             base_url: server.base_url.clone(),
-            _server: server,
+            _server: Some(server),
         }))
     }
 
     #[cfg(not(feature = "provider-server"))]
-    async fn start(plugin: BenchPlugin, _concurrency: u32) -> Result<Option<Self>, CliError> {
-        if plugin == BenchPlugin::Http {
-            return Err(CliError::Usage(
-                "the http benchmark needs the local provider server: build idem with the `provider-server` feature".into(),
-            ));
+    async fn start(plugin: BenchPlugin, url: Option<&str>) -> Result<Option<Self>, CliError> {
+        match (plugin, url) {
+            (BenchPlugin::Http, Some(url)) => Self::external(url).map(Some),
+            (BenchPlugin::Http, None) => Err(CliError::Usage(
+                "the http benchmark needs --provider-url, or the local provider server: build idem with the `provider-server` feature".into(),
+            )),
+            (_, Some(_)) => Err(CliError::Usage(
+                "--provider-url is for --plugin http".into(),
+            )),
+            (_, None) => Ok(None),
         }
-        Ok(None)
     }
 }
 
@@ -852,6 +923,17 @@ fn print_table(report: &Report) {
         "  {:<34} {:.2} µs",
         "sandbox per job (fresh instance)", report.sandbox_us_per_job
     );
+    if let Some(b) = &report.breakdown {
+        println!(
+            "  {:<34} {:.0} µs: plugin {:.0}, store waits {:.0}, provider {:.0}, other {:.0}",
+            "handler time per job",
+            b.attempt_us,
+            b.plugin_call_us,
+            b.store_wait_us,
+            b.provider_call_us,
+            b.other_us
+        );
+    }
     println!("  {:<34} {:.1} MiB", "peak RSS", report.peak_rss_mib);
 }
 

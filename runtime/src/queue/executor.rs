@@ -16,10 +16,10 @@ use crate::metrics;
 use crate::providers::guard::Permit;
 use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
 use crate::store::{
-    ChildEffect, ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence,
-    EffectRecord, EffectStatus, EffectSucceedParams, Enqueued, Fence, Job, NewJob, Sent,
-    StatementCall, StatementOutcome, StatementParams, Store, StoreError, retry_transient,
-    retry_transient_until,
+    ChildEffect, ChildParams, EffectChange, EffectClaim, EffectClaimParams, EffectFailParams,
+    EffectFence, EffectRecord, EffectStatus, Enqueued, Fence, Job, JobChange, NewJob, OlderKey,
+    Sent, StatementCall, StatementOutcome, StatementParams, Store, StoreError, Write, Written,
+    retry_transient, retry_transient_until,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,6 +60,97 @@ pub enum PlanOutcome {
     LeaseLost,
     /// This effect was done before (internal: the plan goes on).
     Skipped,
+    /// An older release claimed this request under this key (internal:
+    /// the effect is carried out under it).
+    OlderRelease(String),
+}
+
+/// Writes that ride with an attempt's next durable write, so a job pays
+/// one awaited commit before each provider call and none after it: a fresh
+/// plan (stored in the same transaction as its first ledger claim) and the
+/// ledger successes of effects carried out (committed with the next
+/// claim, or with the job's own outcome, which the handler does not wait
+/// for). Whatever way the attempt ends, they are written: with its
+/// outcome, or on their own ([`Executor::write_riders`]).
+///
+/// ```
+/// let riders = idem::queue::executor::Riders::default();
+/// assert!(riders.is_empty());
+/// ```
+#[derive(Debug, Default)]
+pub struct Riders {
+    writes: Vec<Write>,
+    /// An effect success must be committed by then (its key's lease
+    /// ends; after it the write is fenced out anyway).
+    deadline: Option<tokio::time::Instant>,
+}
+
+impl Riders {
+    /// A fresh plan to store with the first claim.
+    ///
+    /// `let riders = Riders::plan(job.fence(), plan_json, plugin_hash);`
+    pub fn plan(fence: crate::store::JobFence, plan: String, plugin_hash: String) -> Riders {
+        Riders {
+            writes: vec![Write::Job {
+                fence,
+                change: JobChange::SavePlan { plan, plugin_hash },
+            }],
+            deadline: None,
+        }
+    }
+
+    /// Nothing rides.
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    /// The writes, in order.
+    pub fn writes(&self) -> &[Write] {
+        &self.writes
+    }
+
+    /// The deadline of the effect successes among them, if any.
+    pub fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.deadline
+    }
+
+    fn has_plan(&self) -> bool {
+        self.writes.iter().any(|w| {
+            matches!(
+                w,
+                Write::Job {
+                    change: JobChange::SavePlan { .. },
+                    ..
+                }
+            )
+        })
+    }
+
+    fn push_success(
+        &mut self,
+        fence: EffectFence,
+        result_ref: Option<String>,
+        deadline: tokio::time::Instant,
+    ) {
+        self.writes.push(Write::Effect {
+            fence,
+            change: EffectChange::Succeed { result_ref },
+        });
+        self.deadline = Some(self.deadline.map_or(deadline, |d| d.min(deadline)));
+    }
+
+    /// Runs `write` again while it fails transiently: until the riders'
+    /// deadline when an effect success rides, else as [`retry_transient`].
+    pub async fn retry<T, F, Fut>(&self, write: F) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        match self.deadline {
+            Some(deadline) => retry_transient_until(deadline, write).await,
+            None => retry_transient(write).await,
+        }
+    }
 }
 
 /// What the executor needs.
@@ -177,18 +268,26 @@ impl Executor {
     /// fires (shutdown or a lost lease), the plan stops before the next
     /// effect; a provider call in flight is never cancelled, so its answer
     /// is always recorded under its key.
+    ///
+    /// `riders` come in with a fresh plan to store and go out with what is
+    /// still to be written with the job's outcome (see [`Riders`]).
     pub async fn execute(
         &self,
         job: &Job,
         plan: &[Effect],
         abort: &CancellationToken,
+        riders: &mut Riders,
     ) -> PlanOutcome {
         for effect in plan {
             if abort.is_cancelled() {
                 return PlanOutcome::Aborted;
             }
             let span = tracing::info_span!("effect", key = %effect.idempotency_key, provider = %effect.provider);
-            match self.execute_one(job, effect, abort).instrument(span).await {
+            match self
+                .execute_one(job, effect, abort, riders)
+                .instrument(span)
+                .await
+            {
                 Ok(()) | Err(PlanOutcome::Skipped) => {}
                 Err(outcome) => return outcome,
             }
@@ -201,9 +300,18 @@ impl Executor {
         job: &Job,
         effect: &Effect,
         abort: &CancellationToken,
+        riders: &mut Riders,
     ) -> Result<(), PlanOutcome> {
         let rekeyed;
-        let (key, row) = self.key_of_an_older_release(job, effect).await?;
+        let (key, row, older) = match self.older_key_to_probe(job, effect) {
+            // A scoped key (a plan of this release): no read; the claim
+            // itself finds a row an older release left for this request.
+            Some(older) => (None, None, Some(older)),
+            None => {
+                let (key, row) = self.key_of_an_older_release(job, effect).await?;
+                (key, row, None)
+            }
+        };
         let effect = match key {
             Some(key) => {
                 rekeyed = Effect {
@@ -214,10 +322,56 @@ impl Executor {
             }
             None => effect,
         };
+        match self.carry_out(job, effect, row, older, abort, riders).await {
+            Err(PlanOutcome::OlderRelease(key)) => {
+                tracing::info!(older_key = %key, "an older release claimed this request: carrying it out under its key");
+                let row = retry_transient(|| self.store.effect_get(&key))
+                    .await
+                    .map_err(PlanOutcome::Store)?;
+                let effect = Effect {
+                    idempotency_key: key,
+                    ..effect.clone()
+                };
+                self.carry_out(job, &effect, row, None, abort, riders).await
+            }
+            other => other,
+        }
+    }
+
+    /// The older form of a scoped key (this release's plans), for the claim
+    /// to probe (see [`OlderKey`]); `None` for a key of an older release's
+    /// stored plan, or one too long to scope, which go by
+    /// [`Executor::key_of_an_older_release`].
+    fn older_key_to_probe(&self, job: &Job, effect: &Effect) -> Option<OlderKey> {
+        let bare = effect
+            .idempotency_key
+            .strip_prefix(job.plugin.as_str())?
+            .strip_prefix('/')?;
+        crate::store::check_key(bare).ok()?;
+        Some(OlderKey {
+            key: bare.to_string(),
+            fingerprints: vec![fingerprint(effect), legacy_fingerprint(effect)],
+        })
+    }
+
+    /// Carries out one effect under its key; `row` is its ledger row when
+    /// it was read before (an older release's key), `older` the key the
+    /// claim probes.
+    async fn carry_out(
+        &self,
+        job: &Job,
+        effect: &Effect,
+        row: Option<EffectRecord>,
+        older: Option<OlderKey>,
+        abort: &CancellationToken,
+        riders: &mut Riders,
+    ) -> Result<(), PlanOutcome> {
         if effect.provider == JOBS_PROVIDER {
             // A child job is unique on its plugin and key: enqueuing it again
             // is always safe, so a claim in doubt goes on as any other.
-            let (fence, _) = self.claim(job, effect, self.effect_lease).await?;
+            let (fence, _) = self
+                .claim(job, effect, self.effect_lease, older, riders)
+                .await?;
             failpoint::hit(Failpoint::AfterKeyClaimed)
                 .await
                 .map_err(PlanOutcome::Store)?;
@@ -237,8 +391,8 @@ impl Executor {
                 ),
             )));
         };
-        // A key done (or refused) before needs no provider capacity: look
-        // first, so a redelivery skips it even while the provider is down.
+        // A key done (or refused) before needs no provider capacity: a row
+        // read before says so at once.
         if let Some(settled) = self.settled(effect, row) {
             return Err(settled);
         }
@@ -254,6 +408,14 @@ impl Executor {
         let permit = match provider.guard.enter().await {
             Ok(permit) => permit,
             Err(open) => {
+                // A key done before is still skipped while the provider is
+                // down: the (rare) read happens only here.
+                let row = retry_transient(|| self.store.effect_get(&effect.idempotency_key))
+                    .await
+                    .map_err(PlanOutcome::Store)?;
+                if let Some(settled) = self.settled(effect, row) {
+                    return Err(settled);
+                }
                 metrics::effect(&effect.provider, "deferred");
                 return Err(PlanOutcome::Deferred {
                     delay: open.retry_after,
@@ -266,7 +428,7 @@ impl Executor {
             return Err(PlanOutcome::Aborted);
         }
         let lease = self.key_lease(&provider);
-        let fence = match self.claim(job, effect, lease).await {
+        let fence = match self.claim(job, effect, lease, older, riders).await {
             Ok((fence, None)) => fence,
             Ok((fence, Some(sent_ago))) => match may_resend(
                 provider.provider.dedupe(),
@@ -300,15 +462,19 @@ impl Executor {
             return Err(PlanOutcome::Store(error));
         }
         match in_store {
-            Some(call) => self.run_in_store(effect, &fence, call, permit).await?,
+            Some(call) => {
+                self.run_in_store(effect, &fence, call, permit).await?;
+                failpoint::hit(Failpoint::AfterKeyMarked)
+                    .await
+                    .map_err(PlanOutcome::Store)
+            }
+            // The success rides with the next write: `AfterKeyMarked` is
+            // passed once that commits (see `claim_with_riders`).
             None => {
-                self.call_provider(effect, &fence, &provider, permit)
-                    .await?
+                self.call_provider(effect, &fence, &provider, permit, riders)
+                    .await
             }
         }
-        failpoint::hit(Failpoint::AfterKeyMarked)
-            .await
-            .map_err(PlanOutcome::Store)
     }
 
     /// The lease a provider's calls run under: it must outlast the call, or
@@ -417,6 +583,8 @@ impl Executor {
         job: &Job,
         effect: &Effect,
         lease: Duration,
+        older_key: Option<OlderKey>,
+        riders: &mut Riders,
     ) -> Result<(EffectFence, Option<Duration>), PlanOutcome> {
         let params = EffectClaimParams {
             key: effect.idempotency_key.clone(),
@@ -432,10 +600,12 @@ impl Executor {
                 .unwrap_or_else(|| self.worker.clone()),
             job_attempt: job.attempt,
             lease,
+            older_key,
         };
-        let mut claim = retry_transient(|| self.store.effect_claim(params.clone()))
-            .await
-            .map_err(PlanOutcome::Store)?;
+        let waited = Instant::now();
+        let claim = self.claim_with_riders(params.clone(), riders).await;
+        WorkerStats::timed(&self.stats.store_wait_us, waited);
+        let mut claim = claim?;
         if let EffectClaim::Conflict {
             existing_fingerprint,
         } = &claim
@@ -446,6 +616,7 @@ impl Executor {
             if *existing_fingerprint == legacy {
                 let params = EffectClaimParams {
                     fingerprint: legacy,
+                    older_key: None,
                     ..params
                 };
                 claim = retry_transient(|| self.store.effect_claim(params.clone()))
@@ -479,7 +650,92 @@ impl Executor {
             }
             EffectClaim::Conflict { .. } => Err(conflict(effect)),
             EffectClaim::Failed { code } => Err(failed_before(effect, &code)),
+            EffectClaim::OlderRelease { key } => Err(PlanOutcome::OlderRelease(key)),
         }
+    }
+
+    /// Claims a key in one transaction with the riders (a fresh plan, the
+    /// last effect's success): the one durable commit before a provider
+    /// call. The riders are gone once it committed; on an error they stay,
+    /// to be written with the outcome or on their own.
+    async fn claim_with_riders(
+        &self,
+        params: EffectClaimParams,
+        riders: &mut Riders,
+    ) -> Result<EffectClaim, PlanOutcome> {
+        if riders.is_empty() {
+            return retry_transient(|| self.store.effect_claim(params.clone()))
+                .await
+                .map_err(PlanOutcome::Store);
+        }
+        let mut writes = riders.writes.clone();
+        writes.push(Write::EffectClaim(params));
+        let mut answers = riders
+            .retry(|| self.store.write_batch(writes.clone()))
+            .await
+            .map_err(PlanOutcome::Store)?;
+        let claim = answers.pop();
+        let stored_plan = riders.has_plan();
+        let rode = std::mem::take(riders);
+        self.settle_riders(rode.writes(), &answers);
+        if rode
+            .writes()
+            .iter()
+            .any(|w| matches!(w, Write::Effect { .. }))
+        {
+            // An earlier effect's success is durable; the job is not done.
+            failpoint::hit(Failpoint::AfterKeyMarked)
+                .await
+                .map_err(PlanOutcome::Store)?;
+        }
+        let claim = match claim {
+            Some(Written::EffectClaim(claim)) => claim,
+            other => {
+                return Err(PlanOutcome::Store(StoreError::Corrupt(format!(
+                    "an effect claim was answered {other:?}"
+                ))));
+            }
+        };
+        if stored_plan && !matches!(claim, EffectClaim::JobLost) {
+            failpoint::hit(Failpoint::AfterPlanStored)
+                .await
+                .map_err(PlanOutcome::Store)?;
+        }
+        Ok(claim)
+    }
+
+    /// Counts what the riders' writes did once they committed: an effect
+    /// success fenced out (its key was taken over) is logged and counted.
+    /// A plan fenced out needs nothing: the write it rode with is fenced
+    /// by the same attempt.
+    pub fn settle_riders(&self, writes: &[Write], answers: &[Written]) {
+        for (write, answer) in writes.iter().zip(answers) {
+            if let (
+                Write::Effect { .. },
+                Written::Effect {
+                    fence: Fence::FencedOut,
+                    ..
+                },
+            ) = (write, answer)
+            {
+                self.fenced_out("effect success");
+            }
+        }
+    }
+
+    /// Writes the riders on their own, when the attempt ends without an
+    /// outcome to carry them (the store failed, or the lease was lost).
+    ///
+    /// `executor.write_riders(std::mem::take(&mut riders)).await?;`
+    pub async fn write_riders(&self, riders: Riders) -> Result<(), StoreError> {
+        if riders.is_empty() {
+            return Ok(());
+        }
+        let answers = riders
+            .retry(|| self.store.write_batch(riders.writes.clone()))
+            .await?;
+        self.settle_riders(riders.writes(), &answers);
+        Ok(())
     }
 
     /// The child job a `jobs` effect of `job` enqueues (`None` for any
@@ -555,10 +811,10 @@ impl Executor {
             fence: fence.clone(),
             child,
         };
-        let (written, enqueued) =
-            retry_transient(|| self.store.effect_succeed_with_child(params.clone()))
-                .await
-                .map_err(PlanOutcome::Store)?;
+        let waited = Instant::now();
+        let answer = retry_transient(|| self.store.effect_succeed_with_child(params.clone())).await;
+        WorkerStats::timed(&self.stats.store_wait_us, waited);
+        let (written, enqueued) = answer.map_err(PlanOutcome::Store)?;
         if written == Fence::FencedOut {
             self.fenced_out("child job effect");
         } else {
@@ -573,12 +829,14 @@ impl Executor {
         fence: &EffectFence,
         provider: &GuardedProvider,
         permit: Permit<'_>,
+        riders: &mut Riders,
     ) -> Result<(), PlanOutcome> {
         // Never cancelled once sent: the provider timeout bounds it, and
         // dropping it would lose an answer that can still be recorded.
         let started = Instant::now();
         let result = provider.provider.execute(effect).await;
         let took = started.elapsed();
+        WorkerStats::timed(&self.stats.provider_call_us, started);
         metrics::provider_call(
             &effect.provider,
             took,
@@ -595,21 +853,12 @@ impl Executor {
                     ?took,
                     "effect carried out"
                 );
-                let params = EffectSucceedParams {
-                    fence: fence.clone(),
-                    result_ref: delivered.result_ref,
-                };
-                // Carried out: the success must outlast a database restart
-                // (see `retry_transient_until`), as long as the key is ours.
+                // Carried out: the success rides with the next durable
+                // write (the next claim, or the job's outcome), and must
+                // outlast a database restart (see `retry_transient_until`)
+                // as long as the key is ours.
                 let deadline = tokio::time::Instant::from_std(started) + self.key_lease(provider);
-                let written = retry_transient_until(deadline, || {
-                    self.store.effect_set_succeeded(params.clone())
-                })
-                .await
-                .map_err(PlanOutcome::Store)?;
-                if written == Fence::FencedOut {
-                    self.fenced_out("effect success");
-                }
+                riders.push_success(fence.clone(), delivered.result_ref, deadline);
                 WorkerStats::bump(&self.stats.effects_executed);
                 metrics::effect(&effect.provider, "executed");
                 Ok(())
@@ -661,6 +910,7 @@ impl Executor {
         let outcome =
             retry_transient(|| self.store.effect_succeed_with_statement(params.clone())).await;
         let took = started.elapsed();
+        WorkerStats::timed(&self.stats.store_wait_us, started);
         let outcome = match outcome {
             Ok(outcome) => outcome,
             Err(error) => {
@@ -721,9 +971,10 @@ impl Executor {
             error_code: failure.code.clone(),
             sent,
         };
-        let written = retry_transient(|| self.store.effect_set_failed(params.clone()))
-            .await
-            .map_err(PlanOutcome::Store)?;
+        let waited = Instant::now();
+        let written = retry_transient(|| self.store.effect_set_failed(params.clone())).await;
+        WorkerStats::timed(&self.stats.store_wait_us, waited);
+        let written = written.map_err(PlanOutcome::Store)?;
         if written == Fence::FencedOut {
             self.fenced_out("effect failure");
         }

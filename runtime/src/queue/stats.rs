@@ -33,6 +33,16 @@ pub struct WorkerStats {
     pub rescued: AtomicU64,
     /// Plans of child jobs finished in one write with their job.
     pub finished_in_one_write: AtomicU64,
+    /// Time in attempts (a handler's time per job, its outcome's commit
+    /// not included: the handler does not wait for it), µs.
+    pub attempt_us: AtomicU64,
+    /// Of it, in the plugin call (fresh instance and call), µs.
+    pub plugin_call_us: AtomicU64,
+    /// Of it, waiting for the store (plans, ledger claims, start marks,
+    /// effect failures, children enqueued one by one), µs.
+    pub store_wait_us: AtomicU64,
+    /// Of it, in provider calls, µs.
+    pub provider_call_us: AtomicU64,
 }
 
 /// A snapshot of [`WorkerStats`].
@@ -64,12 +74,28 @@ pub struct StatsSnapshot {
     pub rescued: u64,
     /// Plans of child jobs finished in one write with their job.
     pub finished_in_one_write: u64,
+    /// Time in attempts, µs (see [`WorkerStats::attempt_us`]).
+    pub attempt_us: u64,
+    /// Of it, in plugin calls, µs.
+    pub plugin_call_us: u64,
+    /// Of it, waiting for the store, µs.
+    pub store_wait_us: u64,
+    /// Of it, in provider calls, µs.
+    pub provider_call_us: u64,
 }
 
 impl WorkerStats {
     /// Adds one to a counter.
     pub fn bump(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds the time since `since` to a µs counter.
+    ///
+    /// `WorkerStats::timed(&stats.store_wait_us, started);`
+    pub fn timed(counter: &AtomicU64, since: std::time::Instant) {
+        let us = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
+        counter.fetch_add(us, Ordering::Relaxed);
     }
 
     /// Reads every counter.
@@ -89,6 +115,10 @@ impl WorkerStats {
             fenced_out: get(&self.fenced_out),
             rescued: get(&self.rescued),
             finished_in_one_write: get(&self.finished_in_one_write),
+            attempt_us: get(&self.attempt_us),
+            plugin_call_us: get(&self.plugin_call_us),
+            store_wait_us: get(&self.store_wait_us),
+            provider_call_us: get(&self.provider_call_us),
         }
     }
 }

@@ -3,7 +3,7 @@
 //! runs and a graceful shutdown that gives leases back.
 
 use super::backoff::Backoff;
-use super::executor::{Executor, PlanOutcome};
+use super::executor::{Executor, PlanOutcome, Riders};
 use super::fetcher::{self, Claimed, FetchSettings};
 use super::lease::{Hold, LeaseKeeper};
 use super::maintenance;
@@ -403,23 +403,58 @@ impl Worker {
     /// answer is counted, and the job let go, by [`Worker::recorded`].
     fn record_later(
         self: &Arc<Self>,
-        outcome: Outcome,
+        mut outcome: Outcome,
         span: tracing::Span,
         recording: &TaskTracker,
     ) {
         let Some((write, recorded)) = outcome.write.clone() else {
-            // Nothing to write (the lease was lost before).
+            // Nothing to record for the job (the lease was lost, or the
+            // store failed); an effect carried out is still marked.
+            if !outcome.riders.is_empty() {
+                outcome.hold.recording();
+                let me = self.clone();
+                recording.spawn(
+                    async move {
+                        let riders = std::mem::take(&mut outcome.riders);
+                        if let Err(error) = me.executor.write_riders(riders).await {
+                            tracing::error!(%error, "cannot mark an effect carried out; its key will be in doubt when its lease ends");
+                        }
+                        me.let_go(outcome);
+                    }
+                    .instrument(span),
+                );
+                return;
+            }
             return self.let_go(outcome);
         };
         outcome.hold.recording();
         let (me, recording, token) = (self.clone(), recording.clone(), recording.token());
         let ended = Instant::now();
-        self.group.write_then(write, move |answer| {
+        let mut writes = outcome.riders.writes().to_vec();
+        writes.push(write);
+        self.group.write_all_then(writes, move |answers| {
             metrics::outcome_commit(ended.elapsed());
             let _entered = span.enter();
+            let answer = me.job_answer(&outcome, answers);
             me.recorded(outcome, recorded, answer, &recording, span.clone());
             drop(token);
         });
+    }
+
+    /// The job's own answer among an outcome's unit (its last write), once
+    /// the riders' answers before it are counted.
+    fn job_answer(
+        &self,
+        outcome: &Outcome,
+        answers: Result<Vec<crate::store::Written>, StoreError>,
+    ) -> Result<crate::store::Written, StoreError> {
+        let mut answers = answers?;
+        let answer = answers
+            .pop()
+            .ok_or_else(|| StoreError::Corrupt("an outcome was not answered".into()))?;
+        self.executor
+            .settle_riders(outcome.riders.writes(), &answers);
+        Ok(answer)
     }
 
     /// An outcome's write answered: counted, then the job is let go; a
@@ -462,7 +497,13 @@ impl Worker {
         let Some((write, _)) = &outcome.write else {
             return self.let_go(outcome);
         };
-        let written = crate::store::retry_transient(|| self.store.write(write.clone())).await;
+        let mut writes = outcome.riders.writes().to_vec();
+        writes.push(write.clone());
+        let answers = outcome
+            .riders
+            .retry(|| self.store.write_batch(writes.clone()))
+            .await;
+        let written = self.job_answer(&outcome, answers);
         match written {
             Ok(written) => {
                 if let Some(outcome) = self.settled(outcome, recorded, written) {
@@ -556,20 +597,37 @@ impl Worker {
         if lease != self.settings.lease {
             self.keeper.set_lease(job.id, lease);
         }
-        let attempt = self.attempt(&job, plugin, &stop).await;
-        let (attempt, version) = match attempt {
-            Ok(attempt) => attempt,
-            Err(error) => {
-                tracing::error!(%error, "store failed during the job; its lease will expire and it will be redelivered");
-                return None;
-            }
-        };
-        let label = attempt.label();
+        let mut riders = Riders::default();
+        let attempt = self.attempt(&job, plugin, &stop, &mut riders).await;
+        WorkerStats::timed(&self.stats.attempt_us, started);
         let policy = Policy {
             backoff,
             redact_dead_payloads: self.settings.redact_dead_payloads,
             max_deferral: self.settings.max_deferral,
         };
+        let (attempt, version) = match attempt {
+            Ok(attempt) => attempt,
+            Err(error) => {
+                tracing::error!(%error, "store failed during the job; its lease will expire and it will be redelivered");
+                if riders.is_empty() {
+                    return None;
+                }
+                // Nothing to record for the job, but an effect carried out
+                // must still be marked: the riders go on their own.
+                return Some(Outcome {
+                    job,
+                    write: None,
+                    riders,
+                    label: "store_failed",
+                    started,
+                    policy,
+                    long_way: None,
+                    stop,
+                    hold,
+                });
+            }
+        };
+        let label = attempt.label();
         // A plan of child jobs whose keys were used before is carried out
         // effect by effect after all.
         let long_way = match (&version.children, &version.plan, &version.plugin_hash) {
@@ -580,6 +638,7 @@ impl Worker {
         Some(Outcome {
             job,
             write,
+            riders,
             label,
             started,
             policy,
@@ -607,7 +666,14 @@ impl Worker {
             if !self.store_plan(job, plan, plugin_hash).await? {
                 return Ok(Attempt::LeaseLost);
             }
-            attempt_of(self.executor.execute(job, &effects, stop).await)
+            let mut riders = Riders::default();
+            let outcome = self
+                .executor
+                .execute(job, &effects, stop, &mut riders)
+                .await;
+            // The slow path: what rides is written before the outcome.
+            self.executor.write_riders(riders).await?;
+            attempt_of(outcome)
         }
         .await;
         let attempt = match attempt {
@@ -666,6 +732,7 @@ impl Worker {
         job: &Job,
         plugin: Option<Arc<LoadedPlugin>>,
         abort: &CancellationToken,
+        riders: &mut Riders,
     ) -> Result<(Attempt, Version), StoreError> {
         let plan: Vec<Effect> = match &job.plan {
             Some(stored) => match serde_json::from_str(stored) {
@@ -781,15 +848,16 @@ impl Worker {
                         },
                     ));
                 }
-                if !self.store_plan(job, json, plugin.hash().0.clone()).await? {
-                    return Ok((Attempt::LeaseLost, Version::default()));
-                }
-                // No re-read needed: the job had no plan when we claimed it, and
-                // only the holder of this fence can store one.
+                // The plan is stored in the transaction of its first
+                // ledger claim (one durable commit before the first call),
+                // or with the outcome when no effect claims a key. No
+                // re-read needed: the job had no plan when we claimed it,
+                // and only the holder of this fence can store one.
+                *riders = Riders::plan(job.fence(), json, plugin.hash().0.clone());
                 plan
             }
         };
-        let attempt = attempt_of(self.executor.execute(job, &plan, abort).await)?;
+        let attempt = attempt_of(self.executor.execute(job, &plan, abort, riders).await)?;
         Ok((attempt, Version::default()))
     }
 
@@ -809,8 +877,10 @@ impl Worker {
                 },
             })
         };
-        let written = crate::store::retry_transient(start).await?;
-        Ok(written == Written::Job(Fence::Applied))
+        let waited = Instant::now();
+        let written = crate::store::retry_transient(start).await;
+        WorkerStats::timed(&self.stats.store_wait_us, waited);
+        Ok(written? == Written::Job(Fence::Applied))
     }
 
     async fn store_plan(
@@ -826,8 +896,11 @@ impl Worker {
             plan,
             plugin_hash,
         };
+        let waited = Instant::now();
         let saved =
-            crate::store::retry_transient(|| self.store.job_save_plan(params.clone())).await?;
+            crate::store::retry_transient(|| self.store.job_save_plan(params.clone())).await;
+        WorkerStats::timed(&self.stats.store_wait_us, waited);
+        let saved = saved?;
         if saved == Fence::FencedOut {
             return Ok(false);
         }
@@ -851,8 +924,11 @@ impl Worker {
             enqueued_at_ms: job.created_at_ms,
         };
         WorkerStats::bump(&self.stats.plugin_calls);
+        let started = Instant::now();
         // On this task: the call yields to the worker at every epoch tick.
-        self.registry.sandbox().call(&plugin.compiled, &input).await
+        let plan = self.registry.sandbox().call(&plugin.compiled, &input).await;
+        WorkerStats::timed(&self.stats.plugin_call_us, started);
+        plan
     }
 }
 
@@ -862,6 +938,10 @@ struct Outcome {
     /// What to write, and what it records (`None`: nothing, the lease was
     /// lost).
     write: Option<(crate::store::Write, Recorded)>,
+    /// Written in the same transaction, before `write` (or on their own
+    /// when there is none): a plan never stored by a claim, the last
+    /// effect's ledger success.
+    riders: Riders,
     /// The outcome's name in metrics.
     label: &'static str,
     started: Instant,
@@ -890,5 +970,10 @@ fn attempt_of(outcome: PlanOutcome) -> Result<Attempt, StoreError> {
         PlanOutcome::Store(error) => return Err(error),
         PlanOutcome::Aborted => Attempt::Interrupted,
         PlanOutcome::LeaseLost => Attempt::LeaseLost,
+        PlanOutcome::OlderRelease(key) => {
+            return Err(StoreError::Corrupt(format!(
+                "an older release's key {key:?} was not followed"
+            )));
+        }
     })
 }

@@ -30,6 +30,12 @@
 //!   every other write its own answer. A flush that panics, or fails after
 //!   its commit, answers its writes with the error, is never committed
 //!   again, and the flusher goes on.
+//!
+//! The writes of one [`Store::write_batch`] call (or one
+//! [`GroupCommit::write_all_then`]) stay together: they commit in the same
+//! transaction or not at all, as the contract says, and a split never
+//! separates them. How a job's plan and its first ledger claim become one
+//! durable commit, and a ledger success rides with the job's own success.
 
 use super::{
     BackendKind, ClaimParams, EffectPruneParams, EffectRecord, Enqueued, Job, JobFilter, JobId,
@@ -131,8 +137,10 @@ fn lane_of(write: &Write, lanes: usize) -> usize {
     (spread % lanes as u64) as usize
 }
 
+/// Writes that commit together (one caller's unit), and who learns their
+/// answers.
 struct Pending {
-    write: Write,
+    writes: Vec<Write>,
     reply: Reply,
     /// Counts the write as queued until it is answered (or dropped).
     queued: Queued,
@@ -146,19 +154,20 @@ struct Backlog {
     empty: Notify,
 }
 
-/// One queued write's share of the [`Backlog`], given back when dropped.
-struct Queued(Arc<Backlog>);
+/// One queued unit's share of the [`Backlog`] (its writes), given back
+/// when dropped.
+struct Queued(Arc<Backlog>, usize);
 
 impl Queued {
-    fn new(backlog: &Arc<Backlog>) -> Self {
-        backlog.writes.fetch_add(1, Ordering::SeqCst);
-        Queued(backlog.clone())
+    fn new(backlog: &Arc<Backlog>, writes: usize) -> Self {
+        backlog.writes.fetch_add(writes, Ordering::SeqCst);
+        Queued(backlog.clone(), writes)
     }
 }
 
 impl Drop for Queued {
     fn drop(&mut self) {
-        if self.0.writes.fetch_sub(1, Ordering::SeqCst) == 1 {
+        if self.0.writes.fetch_sub(self.1, Ordering::SeqCst) == self.1 {
             self.0.empty.notify_waiters();
         }
     }
@@ -172,27 +181,30 @@ struct Lane {
     normal: mpsc::UnboundedSender<Pending>,
 }
 
-/// Whether `write` goes to its lane's urgent queue.
-fn is_urgent(write: &Write) -> bool {
-    matches!(
-        write,
-        Write::Job {
-            change: super::JobChange::Heartbeat { .. },
-            ..
-        }
-    )
+/// Whether a unit goes to its lane's urgent queue: lease extensions only.
+fn is_urgent(writes: &[Write]) -> bool {
+    !writes.is_empty()
+        && writes.iter().all(|write| {
+            matches!(
+                write,
+                Write::Job {
+                    change: super::JobChange::Heartbeat { .. },
+                    ..
+                }
+            )
+        })
 }
 
 /// Who learns a write's answer.
 enum Reply {
     /// A caller awaiting it.
-    Wait(oneshot::Sender<Result<Written>>),
+    Wait(oneshot::Sender<Result<Vec<Written>>>),
     /// A callback run by the flusher (see [`GroupCommit::write_then`]).
     Then(Then),
 }
 
 impl Reply {
-    fn send(self, answer: Result<Written>) {
+    fn send(self, answer: Result<Vec<Written>>) {
         match self {
             // A caller that stopped waiting no longer needs the answer.
             Reply::Wait(sender) => {
@@ -203,7 +215,7 @@ impl Reply {
     }
 }
 
-type Callback = Box<dyn FnOnce(Result<Written>) + Send>;
+type Callback = Box<dyn FnOnce(Result<Vec<Written>>) + Send>;
 
 /// A callback that is called exactly once: with the answer, or, if the
 /// flusher is stopped before it answers, with [`StoreError::WriterStopped`]
@@ -211,7 +223,7 @@ type Callback = Box<dyn FnOnce(Result<Written>) + Send>;
 struct Then(Option<Callback>);
 
 impl Then {
-    fn call(&mut self, answer: Result<Written>) {
+    fn call(&mut self, answer: Result<Vec<Written>>) {
         if let Some(then) = self.0.take() {
             // A panicking callback must not stop the flusher every other
             // write of the process goes through.
@@ -312,15 +324,17 @@ impl GroupCommit {
         self.queues.len()
     }
 
-    /// Queues a write in its lane; a stopped flusher answers it with
-    /// [`StoreError::WriterStopped`] at once.
-    fn queue(&self, write: Write, reply: Reply) {
-        let lane = lane_of(&write, self.queues.len());
-        let urgent = is_urgent(&write);
+    /// Queues a unit of writes in its lane (its first write's); a stopped
+    /// flusher answers it with [`StoreError::WriterStopped`] at once.
+    fn queue(&self, writes: Vec<Write>, reply: Reply) {
+        let lane = writes
+            .first()
+            .map_or(0, |first| lane_of(first, self.queues.len()));
+        let urgent = is_urgent(&writes);
         let pending = Pending {
-            write,
+            queued: Queued::new(&self.backlog, writes.len()),
+            writes,
             reply,
-            queued: Queued::new(&self.backlog),
         };
         let refused = match self.queues.get(lane) {
             Some(lane) => {
@@ -349,11 +363,38 @@ impl GroupCommit {
     /// # }
     /// ```
     pub fn write_then(&self, write: Write, then: impl FnOnce(Result<Written>) + Send + 'static) {
+        self.write_all_then(vec![write], move |answers| {
+            then(answers.and_then(|mut answers| {
+                answers
+                    .pop()
+                    .ok_or_else(|| StoreError::Corrupt("a write was not answered".into()))
+            }))
+        });
+    }
+
+    /// As [`GroupCommit::write_then`] for writes that commit together, in
+    /// one transaction, or not at all (as [`Store::write_batch`]); `then`
+    /// gets one answer per write, in order. How a job's success carries
+    /// the ledger success of its last effect without the handler waiting.
+    ///
+    /// ```no_run
+    /// # fn demo(group: &idem::store::group_commit::GroupCommit, a: idem::store::Write, b: idem::store::Write) {
+    /// group.write_all_then(vec![a, b], |answers| println!("{answers:?}"));
+    /// # }
+    /// ```
+    pub fn write_all_then(
+        &self,
+        writes: Vec<Write>,
+        then: impl FnOnce(Result<Vec<Written>>) + Send + 'static,
+    ) {
         let mut then = Then(Some(Box::new(then)));
-        if let Err(error) = super::input::check_write(&write) {
+        if let Err(error) = writes.iter().try_for_each(super::input::check_write) {
             return then.call(Err(error));
         }
-        self.queue(write, Reply::Then(then));
+        if writes.is_empty() {
+            return then.call(Ok(Vec::new()));
+        }
+        self.queue(writes, Reply::Then(then));
     }
 
     /// Stops the flushers at once, as a crash would: queued writes are not
@@ -440,29 +481,31 @@ async fn flush_forever(
     }
 }
 
-/// Commits one batch and answers each of its writes.
+/// Commits one batch and answers each of its units.
 async fn commit(store: &dyn Store, batch: Vec<Pending>) {
-    crate::metrics::store_batch(batch.len());
-    let (writes, replies): (Vec<Write>, Vec<Pending>) =
-        batch.into_iter().map(|p| (p.write.clone(), p)).unzip();
-    let answers = commit_isolated(store, writes).await;
+    crate::metrics::store_batch(batch.iter().map(|p| p.writes.len()).sum());
+    let (units, replies): (Vec<Vec<Write>>, Vec<Pending>) =
+        batch.into_iter().map(|p| (p.writes.clone(), p)).unzip();
+    let answers = commit_isolated(store, units).await;
     for (pending, answer) in replies.into_iter().zip(answers) {
         pending.reply.send(answer);
         drop(pending.queued);
     }
 }
 
-/// Commits `writes` as one batch; when the database refuses its data
+/// Commits `units` as one batch; when the database refuses its data
 /// ([`StoreError::is_refusal`]: nothing committed), commits each half
-/// again, down to the write at fault, so only that write gets the error.
-/// Any other failure (transient, a panic, a failure after the commit) fails
-/// the whole batch, so no write is ever committed twice. One answer per
-/// write, in order.
+/// again, down to the unit at fault, so only that unit gets the error (a
+/// unit's writes are never separated). Any other failure (transient, a
+/// panic, a failure after the commit) fails the whole batch, so no write
+/// is ever committed twice. One answer per unit, in order.
 fn commit_isolated<'a>(
     store: &'a dyn Store,
-    writes: Vec<Write>,
-) -> futures::future::BoxFuture<'a, Vec<Result<Written>>> {
+    units: Vec<Vec<Write>>,
+) -> futures::future::BoxFuture<'a, Vec<Result<Vec<Written>>>> {
     async move {
+        let sizes: Vec<usize> = units.iter().map(Vec::len).collect();
+        let writes: Vec<Write> = units.iter().flatten().cloned().collect();
         let n = writes.len();
         let tried = std::panic::AssertUnwindSafe(async {
             crate::failpoint::hit(crate::failpoint::Failpoint::InFlush).await?;
@@ -472,7 +515,11 @@ fn commit_isolated<'a>(
         .await;
         let error = match tried {
             Ok(Ok(answers)) if answers.len() == n => {
-                return answers.into_iter().map(Ok).collect();
+                let mut answers = answers.into_iter();
+                return sizes
+                    .iter()
+                    .map(|&size| Ok(answers.by_ref().take(size).collect()))
+                    .collect();
             }
             Ok(Ok(answers)) => StoreError::Corrupt(format!(
                 "the store answered {} writes of {n}",
@@ -492,15 +539,16 @@ fn commit_isolated<'a>(
                 ))))
             }
         };
-        if n <= 1 || !error.is_refusal() {
+        if units.len() <= 1 || !error.is_refusal() {
             let error = Arc::new(error);
-            return (0..n)
+            return units
+                .iter()
                 .map(|_| Err(StoreError::Batch(error.clone())))
                 .collect();
         }
         tracing::warn!(%error, writes = n, "a batch was refused; committing its halves apart to find the write at fault");
-        let mut first = writes;
-        let second = first.split_off(n / 2);
+        let mut first = units;
+        let second = first.split_off(first.len() / 2);
         let mut answers = commit_isolated(store, first).await;
         answers.extend(commit_isolated(store, second).await);
         answers
@@ -538,21 +586,18 @@ impl Store for GroupCommit {
         self.inner.job_claim(params).await
     }
 
+    /// The writes commit together, in one transaction shared with other
+    /// callers' writes, or not at all.
     async fn write_batch(&self, writes: Vec<Write>) -> Result<Vec<Written>> {
         for write in &writes {
             super::input::check_write(write)?;
         }
-        let mut answers = Vec::with_capacity(writes.len());
-        for write in writes {
-            let (reply, answer) = oneshot::channel();
-            self.queue(write, Reply::Wait(reply));
-            answers.push(answer);
+        if writes.is_empty() {
+            return Ok(Vec::new());
         }
-        let mut written = Vec::with_capacity(answers.len());
-        for answer in answers {
-            written.push(answer.await.map_err(|_| StoreError::WriterStopped)??);
-        }
-        Ok(written)
+        let (reply, answer) = oneshot::channel();
+        self.queue(writes, Reply::Wait(reply));
+        answer.await.map_err(|_| StoreError::WriterStopped)?
     }
 
     async fn job_rescue_expired(&self, limit: u32) -> Result<Vec<JobId>> {
@@ -666,6 +711,7 @@ mod tests {
                 worker: "w".into(),
                 job_attempt: 1,
                 lease: Duration::from_secs(30),
+                older_key: None,
             });
             assert_eq!(lane_of(&heartbeat, 3), lane_of(&release, 3), "job {id}");
             assert_eq!(

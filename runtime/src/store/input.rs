@@ -148,6 +148,9 @@ pub(crate) fn check_key(key: &str) -> Result<()> {
 /// Checks the caller's part of an effect claim.
 pub(crate) fn check_effect_claim(params: &EffectClaimParams) -> Result<()> {
     check_key(&params.key)?;
+    if let Some(older) = &params.older_key {
+        check_key(&older.key)?;
+    }
     if params.worker.is_empty() {
         return Err(StoreError::Invalid("worker id is empty".into()));
     }

@@ -441,6 +441,29 @@ pub struct EffectClaimParams {
     pub job_attempt: u32,
     /// Lease length.
     pub lease: Duration,
+    /// The key an older release may have claimed this same request under
+    /// (see [`OlderKey`]); `None` for a key that has no older form.
+    pub older_key: Option<OlderKey>,
+}
+
+/// The form a key had before keys were scoped to their plugin: when the
+/// claimed key has no ledger row and this one has a row of the same
+/// plugin whose fingerprint is one of `fingerprints`, an older release
+/// claimed this very request under it, and the claim answers
+/// [`EffectClaim::OlderRelease`] instead of claiming a second key for it.
+/// Checked in the claim's own transaction, so a fresh plan reads nothing
+/// before its claim.
+///
+/// ```
+/// let older = idem::store::OlderKey { key: "invoice:1".into(), fingerprints: vec!["fp".into()] };
+/// assert_eq!(older.key, "invoice:1");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OlderKey {
+    /// The key as an older release stored it.
+    pub key: String,
+    /// The request's fingerprints (current and legacy).
+    pub fingerprints: Vec<String>,
 }
 
 /// What claiming an effect key found.
@@ -484,6 +507,12 @@ pub enum EffectClaim {
     Conflict {
         /// The stored fingerprint.
         existing_fingerprint: String,
+    },
+    /// Nothing was claimed: an older release claimed this request under
+    /// `key` (see [`OlderKey`]); carry it out under that key.
+    OlderRelease {
+        /// The older key.
+        key: String,
     },
 }
 

@@ -103,6 +103,7 @@ pub(crate) struct Queries {
     pub effect_fail: String,
     pub effect_set_ref: String,
     pub effect_keys_present: String,
+    pub effect_owners: String,
     pub effect_insert_done: String,
     pub effect_delete_keys: String,
     pub effect_get: String,
@@ -567,6 +568,13 @@ impl Queries {
             )),
             effect_keys_present: x(&format!(
                 "SELECT key FROM effects WHERE {{row_keys}}key IN (SELECT t.key FROM {rows})",
+                rows = (d.rows)(&[("key", Text)]),
+            )),
+            // Which of these keys have rows, with whose request: the older-
+            // release probe of a claim (`OlderKey`).
+            effect_owners: x(&format!(
+                "SELECT key, plugin, fingerprint FROM effects \
+                 WHERE {{row_keys}}key IN (SELECT t.key FROM {rows})",
                 rows = (d.rows)(&[("key", Text)]),
             )),
             // A `jobs` effect finished with its job in one write: its row is

@@ -660,6 +660,45 @@ impl Store for SqlStore {
                 }
                 claims = kept;
             }
+            // A request an older release claimed under its unscoped key is
+            // carried out under that key (when the scoped key has no row):
+            // probed here, so a fresh plan reads nothing before its claim.
+            if claims.iter().any(|c| c.params.older_key.is_some()) {
+                let keys: Vec<String> = claims
+                    .iter()
+                    .filter_map(|c| {
+                        let older = c.params.older_key.as_ref()?;
+                        Some([c.params.key.clone(), older.key.clone()])
+                    })
+                    .flatten()
+                    .collect();
+                let owners: Vec<(String, String, String)> = sqlx::query_as(&self.q.effect_owners)
+                    .bind_rows(RowSet::new().texts(keys))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let owners: HashMap<String, (String, String)> = owners
+                    .into_iter()
+                    .map(|(key, plugin, fingerprint)| (key, (plugin, fingerprint)))
+                    .collect();
+                let (older, kept): (Vec<_>, Vec<_>) = claims.into_iter().partition(|c| {
+                    c.params.older_key.as_ref().is_some_and(|older| {
+                        !owners.contains_key(&c.params.key)
+                            && owners.get(&older.key).is_some_and(|(plugin, fingerprint)| {
+                                *plugin == c.params.plugin
+                                    && older.fingerprints.contains(fingerprint)
+                            })
+                    })
+                });
+                for claim in older {
+                    if let Some(older) = claim.params.older_key {
+                        batch.answer(
+                            claim.index,
+                            Written::EffectClaim(EffectClaim::OlderRelease { key: older.key }),
+                        );
+                    }
+                }
+                claims = kept;
+            }
             for _ in 0..CLAIM_ROUNDS {
                 if claims.is_empty() {
                     break;

@@ -59,6 +59,7 @@ pub async fn batch_answers_each_write_in_order_some_fenced_out(store: Arc<dyn St
             worker: "w".into(),
             job_attempt: claimed[3].attempt,
             lease: LONG,
+            older_key: None,
         }),
         Write::Job {
             fence: fence(4),
@@ -330,6 +331,51 @@ pub async fn a_bad_write_fails_only_itself(store: Arc<dyn Store>) {
         }
     }
     assert_eq!(grouped.queued(), 0, "every write answered");
+
+    // Writes that must commit together (one caller's `write_batch`) are
+    // never separated by the split: a unit with a bad write fails whole,
+    // alone; the unit next to it commits.
+    store
+        .job_insert_many(vec![job("fine"), job("explode")])
+        .await
+        .unwrap();
+    let pair = store.job_claim(claim_params("w", 2, LONG)).await.unwrap();
+    let (fine, bad) = match pair.as_slice() {
+        [a, b] if a.plugin == "fine" => (a.clone(), b.clone()),
+        [a, b] => (b.clone(), a.clone()),
+        other => panic!("expected two jobs, got {other:?}"),
+    };
+    let grouped = GroupCommit::new(
+        store.clone(),
+        GroupCommitSettings {
+            max_batch: 2,
+            max_wait: Duration::from_secs(3600),
+            lanes: 1,
+        },
+    );
+    let unit = |writes: Vec<Write>| {
+        let grouped = grouped.clone();
+        tokio::spawn(async move { grouped.write_batch(writes).await })
+    };
+    let doomed = unit(vec![
+        Write::EffectClaim(claim_by(&fine, "unit:k1", LONG)),
+        succeed_write(bad.fence()),
+    ]);
+    let kept = unit(vec![Write::EffectClaim(claim_by(&fine, "unit:k2", LONG))]);
+    let doomed = doomed.await.unwrap();
+    assert!(
+        matches!(&doomed, Err(StoreError::Batch(inner)) if matches!(**inner, StoreError::Database(_))),
+        "{doomed:?}"
+    );
+    assert!(
+        store.effect_get("unit:k1").await.unwrap().is_none(),
+        "the unit's good write was not committed without its bad one"
+    );
+    assert_eq!(get(&store, bad.id).await.state, JobState::Running);
+    assert!(matches!(
+        kept.await.unwrap().unwrap().as_slice(),
+        [Written::EffectClaim(EffectClaim::Claimed { .. })]
+    ));
 }
 
 /// Writes spread over the group commit's lanes (two on PostgreSQL, one on
@@ -455,4 +501,219 @@ pub async fn lanes_answer_each_write_and_keep_each_jobs_order(store: Arc<dyn Sto
     );
     let row = store.effect_get("lanes:k").await.unwrap().unwrap();
     assert_eq!(row.result_ref.as_deref(), Some("r"));
+}
+
+fn save_plan(fence: idem::store::JobFence) -> Write {
+    Write::Job {
+        fence,
+        change: JobChange::SavePlan {
+            plan: "[]".into(),
+            plugin_hash: "h".into(),
+        },
+    }
+}
+
+fn claimed_fence(written: &Written) -> EffectFence {
+    match written {
+        Written::EffectClaim(EffectClaim::Claimed { fence }) => fence.clone(),
+        other => panic!("expected a claim, got {other:?}"),
+    }
+}
+
+/// The effect path's merged commits (issue 23): a fresh plan commits with
+/// its first ledger claim, and the last effect's success with the job's
+/// own, each pair in one transaction shared with other jobs' pairs by the
+/// group commit. In one flush: two holders' plan-and-claim pairs commit; a
+/// stale holder's pair changes nothing (its plan fenced out, its claim
+/// refused as `JobLost`, no ledger row); then each held job's success and
+/// its key's success commit together.
+pub async fn a_plan_and_its_claim_commit_together_some_fenced_out(store: Arc<dyn Store>) {
+    store
+        .job_insert_many((0..3).map(|_| job("merged")).collect())
+        .await
+        .unwrap();
+    let claimed = store.job_claim(claim_params("w", 3, LONG)).await.unwrap();
+    assert_eq!(claimed.len(), 3);
+    let grouped = GroupCommit::new(
+        store.clone(),
+        GroupCommitSettings {
+            max_batch: 3,
+            // One flush: it waits until all three pairs are queued.
+            max_wait: Duration::from_secs(3600),
+            lanes: 1,
+        },
+    );
+    let stale = other_worker(&claimed[2].fence(), "stale");
+    let pairs: Vec<Vec<Write>> = claimed
+        .iter()
+        .enumerate()
+        .map(|(i, job)| {
+            let mut claim = claim_by(job, &format!("merged:k{i}"), LONG);
+            let fence = if i == 2 {
+                claim.worker = "stale".into();
+                stale.clone()
+            } else {
+                job.fence()
+            };
+            vec![save_plan(fence), Write::EffectClaim(claim)]
+        })
+        .collect();
+    let tasks: Vec<_> = pairs
+        .into_iter()
+        .map(|pair| {
+            let grouped = grouped.clone();
+            tokio::spawn(async move { grouped.write_batch(pair).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap().unwrap());
+    }
+    let mut fences = Vec::new();
+    for (i, answer) in answers.iter().enumerate().take(2) {
+        assert_eq!(answer[0], Written::Job(Fence::Applied), "pair {i}");
+        fences.push(claimed_fence(&answer[1]));
+        assert!(get(&store, claimed[i].id).await.plan.is_some());
+        let row = store
+            .effect_get(&format!("merged:k{i}"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, idem::store::EffectStatus::Processing);
+    }
+    assert_eq!(
+        answers[2],
+        vec![
+            Written::Job(Fence::FencedOut),
+            Written::EffectClaim(EffectClaim::JobLost)
+        ]
+    );
+    assert_eq!(get(&store, claimed[2].id).await.plan, None);
+    assert!(store.effect_get("merged:k2").await.unwrap().is_none());
+
+    // Each held job's success rides with its key's success, not awaited by
+    // its caller; both commit (a writer that flushes at once).
+    let grouped = GroupCommit::new(store.clone(), GroupCommitSettings::default());
+    let (done, mut all_done) = tokio::sync::mpsc::unbounded_channel();
+    for (i, fence) in fences.into_iter().enumerate() {
+        let done = done.clone();
+        grouped.write_all_then(
+            vec![
+                Write::Effect {
+                    fence,
+                    change: EffectChange::Succeed {
+                        result_ref: Some(format!("ref{i}")),
+                    },
+                },
+                Write::Job {
+                    fence: claimed[i].fence(),
+                    change: JobChange::Succeed {
+                        plugin_hash: None,
+                        plan: None,
+                    },
+                },
+            ],
+            move |answers| {
+                let _ = done.send((i, answers));
+            },
+        );
+    }
+    drop(done);
+    grouped.flushed().await;
+    let mut seen = 0;
+    while let Some((i, answers)) = all_done.recv().await {
+        let answers = answers.unwrap();
+        assert!(
+            matches!(
+                answers[0],
+                Written::Effect {
+                    fence: Fence::Applied,
+                    ..
+                }
+            ),
+            "{answers:?}"
+        );
+        assert_eq!(answers[1], Written::Job(Fence::Applied));
+        assert_eq!(get(&store, claimed[i].id).await.state, JobState::Succeeded);
+        let row = store
+            .effect_get(&format!("merged:k{i}"))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, idem::store::EffectStatus::Succeeded);
+        assert_eq!(row.result_ref, Some(format!("ref{i}")));
+        seen += 1;
+    }
+    assert_eq!(seen, 2);
+}
+
+/// A job's success and its last key's success lost together in a crash
+/// (the group commit's buffer, after the provider answered): neither is
+/// committed, and the job's next attempt finds the key in doubt (it may
+/// have reached the provider), never done and never free: sent again only
+/// to a provider that dedupes, within its window.
+pub async fn a_lost_success_leaves_the_key_in_doubt_for_the_next_attempt(store: Arc<dyn Store>) {
+    store.job_insert(job("lost")).await.unwrap();
+    let held = claim_one(&store, "w", SHORT).await;
+    let fence = match store
+        .write_batch(vec![
+            save_plan(held.fence()),
+            Write::EffectClaim(claim_by(&held, "lost:k", SHORT)),
+        ])
+        .await
+        .unwrap()
+        .as_slice()
+    {
+        [Written::Job(Fence::Applied), claim] => claimed_fence(claim),
+        other => panic!("expected the plan and the claim, got {other:?}"),
+    };
+    let grouped = GroupCommit::new(
+        store.clone(),
+        GroupCommitSettings {
+            max_batch: 100,
+            max_wait: Duration::from_secs(3600),
+            lanes: 1,
+        },
+    );
+    let (answered, answer) = tokio::sync::oneshot::channel();
+    grouped.write_all_then(
+        vec![
+            Write::Effect {
+                fence,
+                change: EffectChange::Succeed { result_ref: None },
+            },
+            Write::Job {
+                fence: held.fence(),
+                change: JobChange::Succeed {
+                    plugin_hash: None,
+                    plan: None,
+                },
+            },
+        ],
+        move |answers| {
+            let _ = answered.send(answers);
+        },
+    );
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    grouped.stop_now().await;
+    assert!(matches!(answer.await, Ok(Err(StoreError::WriterStopped))));
+    assert_eq!(get(&store, held.id).await.state, JobState::Running);
+    let row = store.effect_get("lost:k").await.unwrap().unwrap();
+    assert_eq!(row.status, idem::store::EffectStatus::Processing);
+    // The lease runs out; the next attempt re-runs the plan and claims the
+    // key again: in doubt.
+    advance(&store, PAST_SHORT).await;
+    assert_eq!(store.job_rescue_expired(10).await.unwrap(), [held.id]);
+    let again = claim_one(&store, "w2", LONG).await;
+    assert_eq!(again.attempt, 2, "the lost attempt is charged (it started)");
+    match store
+        .effect_claim(claim_by(&again, "lost:k", LONG))
+        .await
+        .unwrap()
+    {
+        EffectClaim::InDoubt { .. } => {}
+        other => panic!("expected the key in doubt, got {other:?}"),
+    }
 }

@@ -967,3 +967,71 @@ pub async fn effect_reclaim_by_the_same_claim_is_the_same_claim(store: Arc<dyn S
         Fence::Applied
     );
 }
+
+/// A fresh plan's claim reads nothing first: it names the key's older,
+/// unscoped form, and the claim's own transaction answers
+/// `OlderRelease` when an older release claimed this very request under
+/// it (same plugin, one of the request's fingerprints) and the scoped key
+/// has no row; otherwise it claims the scoped key as usual.
+pub async fn effect_claim_finds_the_request_an_older_release_claimed(store: Arc<dyn Store>) {
+    let job = hold(&store, "w").await;
+    // An older release claimed `inv:1` (unscoped) and carried it out.
+    let fence = claimed(&store, claim_by(&job, "inv:1", LONG)).await;
+    store
+        .effect_set_succeeded(EffectSucceedParams {
+            fence,
+            result_ref: Some("old".into()),
+        })
+        .await
+        .unwrap();
+    let probing = |key: &str, fingerprints: &[&str]| EffectClaimParams {
+        older_key: Some(idem::store::OlderKey {
+            key: "inv:1".into(),
+            fingerprints: fingerprints.iter().map(|f| f.to_string()).collect(),
+        }),
+        ..claim_by(&job, key, LONG)
+    };
+    assert_eq!(
+        store
+            .effect_claim(probing("send_invoice_email/inv:1", &["fp-0", "fp-1"]))
+            .await
+            .unwrap(),
+        EffectClaim::OlderRelease {
+            key: "inv:1".into()
+        }
+    );
+    assert!(
+        store
+            .effect_get("send_invoice_email/inv:1")
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing claimed under the scoped key"
+    );
+    // Another request (fingerprints that do not match): the scoped key.
+    assert!(matches!(
+        store
+            .effect_claim(probing("send_invoice_email/inv:1", &["fp-9"]))
+            .await
+            .unwrap(),
+        EffectClaim::Claimed { .. }
+    ));
+    // Now the scoped key has a row: it wins, whatever the older key holds.
+    let again = store
+        .effect_claim(probing("send_invoice_email/inv:1", &["fp-1"]))
+        .await
+        .unwrap();
+    assert!(
+        !matches!(again, EffectClaim::OlderRelease { .. }),
+        "{again:?}"
+    );
+    // Another plugin's row under the older key is not this request.
+    let other_plugin = EffectClaimParams {
+        plugin: "another_plugin".into(),
+        ..probing("another_plugin/inv:1", &["fp-1"])
+    };
+    assert!(matches!(
+        store.effect_claim(other_plugin).await.unwrap(),
+        EffectClaim::Claimed { .. }
+    ));
+}

@@ -136,9 +136,12 @@ macro_rules! conformance_suite {
             effects::effect_claim_fenced_by_the_job_lease,
             effects::effect_reclaim_by_the_same_claim_is_the_same_claim,
             effects::children_finish_with_their_job_in_one_write,
+            effects::effect_claim_finds_the_request_an_older_release_claimed,
             batch::batch_answers_each_write_in_order_some_fenced_out,
             batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
             batch::lanes_answer_each_write_and_keep_each_jobs_order,
+            batch::a_plan_and_its_claim_commit_together_some_fenced_out,
+            batch::a_lost_success_leaves_the_key_in_doubt_for_the_next_attempt,
             statements::statement_commits_with_its_ledger_row,
             statements::statement_of_a_stale_claim_runs_nothing,
             statements::refused_statement_rolls_back_the_ledger_mark,
@@ -252,6 +255,7 @@ pub fn claim_by(job: &Job, key: &str, lease: Duration) -> EffectClaimParams {
         worker: job.lease_owner.clone().unwrap_or_default(),
         job_attempt: job.attempt,
         lease,
+        older_key: None,
     }
 }
 
