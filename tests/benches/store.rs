@@ -3,6 +3,12 @@
 //! fenced writes — what a busy worker does for jobs without effects. The
 //! jobs are inserted outside the timed part.
 //!
+//! `store/effect_path` times a job with one provider effect the two ways:
+//! `separate`, four awaited commits per job as before issue 23 (plan, ledger
+//! claim, ledger success, job success), and `merged`, two (the plan with
+//! the claim, the ledger success with the job's success), `batch` jobs at
+//! once through the group commit; the provider call itself is left out.
+//!
 //! A second group finishes each job with one child job in the same write
 //! (a plan made only of `jobs` effects: ledger row, child, success); a
 //! third does the same through two group-commit lanes (PostgreSQL only:
@@ -185,5 +191,139 @@ fn insert_many(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, claim_and_finish, insert_many);
+/// How a job with one provider effect writes its way through.
+#[derive(Debug, Clone, Copy)]
+enum EffectPath {
+    /// Plan, claim, ledger success, job success: four awaited commits.
+    Separate,
+    /// Plan with claim, then ledger success with job success: two units.
+    Merged,
+}
+
+fn effect_path(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut group = c.benchmark_group("store/effect_path");
+    group.sample_size(20);
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let (inner, _guard) = runtime.block_on(idem_tests::store(backend));
+        let store: Arc<dyn Store> = runtime
+            .block_on(async { GroupCommit::new(inner.clone(), GroupCommitSettings::default()) });
+        for path in [EffectPath::Separate, EffectPath::Merged] {
+            for batch in [1u32, 10, 100] {
+                group.throughput(Throughput::Elements(u64::from(batch)));
+                let id = BenchmarkId::new(format!("{backend:?}/{path:?}"), batch);
+                group.bench_with_input(id, &batch, |b, &batch| {
+                    b.iter_custom(|rounds| {
+                        runtime.block_on(effect_round_trips(&store, batch, rounds, path))
+                    })
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
+/// `rounds` times: insert and claim `batch` jobs (untimed), then each job,
+/// concurrently, stores its plan, claims its key, marks it done and
+/// succeeds (timed).
+async fn effect_round_trips(
+    store: &Arc<dyn Store>,
+    batch: u32,
+    rounds: u64,
+    path: EffectPath,
+) -> Duration {
+    use idem::store::{EffectChange, EffectClaim, EffectClaimParams, Written};
+    static KEYS: AtomicU64 = AtomicU64::new(0);
+    let mut timed = Duration::ZERO;
+    for _ in 0..rounds {
+        let jobs = (0..batch)
+            .map(|_| NewJob::new("noop", b"{}".to_vec()))
+            .collect();
+        store.job_insert_many(jobs).await.expect("enqueue");
+        let claimed = store
+            .job_claim(ClaimParams {
+                queue: "default".into(),
+                worker: "bench".into(),
+                limit: batch,
+                lease: Duration::from_secs(30),
+                queue_concurrency: None,
+            })
+            .await
+            .expect("claim");
+        assert_eq!(claimed.len(), batch as usize);
+        let started = Instant::now();
+        let one_job = |job: idem::store::Job| {
+            let store = store.clone();
+            async move {
+                let key = format!("noop/k{}", KEYS.fetch_add(1, Ordering::Relaxed));
+                let plan = Write::Job {
+                    fence: job.fence(),
+                    change: JobChange::SavePlan {
+                        plan: "[]".into(),
+                        plugin_hash: "bench".into(),
+                    },
+                };
+                let claim = Write::EffectClaim(EffectClaimParams {
+                    key: key.clone(),
+                    job_id: job.id,
+                    plugin: "noop".into(),
+                    provider: "bench_http".into(),
+                    fingerprint: "fp".into(),
+                    worker: "bench".into(),
+                    job_attempt: job.attempt,
+                    lease: Duration::from_secs(30),
+                    older_key: None,
+                });
+                let fence = |written: &Written| match written {
+                    Written::EffectClaim(EffectClaim::Claimed { fence }) => fence.clone(),
+                    other => panic!("expected a claim, got {other:?}"),
+                };
+                let claimed = match path {
+                    EffectPath::Separate => {
+                        store.write(plan).await.expect("plan");
+                        store.write(claim).await.expect("claim")
+                    }
+                    EffectPath::Merged => {
+                        let mut answers = store.write_batch(vec![plan, claim]).await.expect("unit");
+                        answers.pop().expect("the claim's answer")
+                    }
+                };
+                let ledger = Write::Effect {
+                    fence: fence(&claimed),
+                    change: EffectChange::Succeed {
+                        result_ref: Some("ref".into()),
+                    },
+                };
+                let succeed = Write::Job {
+                    fence: job.fence(),
+                    change: JobChange::Succeed {
+                        plugin_hash: None,
+                        plan: None,
+                    },
+                };
+                match path {
+                    EffectPath::Separate => {
+                        store.write(ledger).await.expect("ledger success");
+                        store.write(succeed).await.expect("success");
+                    }
+                    EffectPath::Merged => {
+                        store
+                            .write_batch(vec![ledger, succeed])
+                            .await
+                            .expect("unit");
+                    }
+                }
+            }
+        };
+        futures::future::join_all(claimed.into_iter().map(one_job)).await;
+        timed += started.elapsed();
+    }
+    timed
+}
+
+criterion_group!(benches, claim_and_finish, effect_path, insert_many);
 criterion_main!(benches);

@@ -43,11 +43,15 @@ impl Permit<'_> {
     }
 
     /// Gives the permit back unused (the provider was never called): the
-    /// breaker learns nothing, and a half-open trial goes to the next caller.
+    /// breaker learns nothing, a half-open trial goes to the next caller,
+    /// and the rate token goes back (a key found done spends nothing).
     pub fn release(mut self) {
         self.settled = true;
         if let Some(trial) = self.trial {
             self.guard.release_trial(trial);
+        }
+        if let Some(rate) = &self.guard.rate {
+            rate.lock().expect("rate poisoned").give_back();
         }
     }
 }
@@ -84,6 +88,11 @@ struct TokenBucket {
 }
 
 impl TokenBucket {
+    /// Returns a token taken for a call that was not made.
+    fn give_back(&mut self) {
+        self.tokens = (self.tokens + 1.0).min(self.capacity);
+    }
+
     /// Takes a token, or says how long until one is there.
     fn take(&mut self) -> Option<Duration> {
         let now = Instant::now();
@@ -167,6 +176,35 @@ impl Guard {
             trial,
             settled: false,
         })
+    }
+
+    /// [`Guard::enter`] without waiting: `None` when a slot or a rate token
+    /// is not free now (the caller may do what must not wait behind a
+    /// limit first, then [`Guard::enter`]).
+    ///
+    /// ```
+    /// use idem::providers::{config::GuardConfig, guard::Guard};
+    /// let guard = Guard::new(&GuardConfig { concurrency: 1, ..Default::default() });
+    /// let first = guard.try_enter().unwrap().unwrap();
+    /// assert!(guard.try_enter().is_none(), "the only slot is taken");
+    /// first.release();
+    /// ```
+    pub fn try_enter(&self) -> Option<Result<Permit<'_>, CircuitOpen>> {
+        if let Some(open) = self.open_for() {
+            return Some(Err(open));
+        }
+        let slot = self.slots.clone().try_acquire_owned().ok()?;
+        if let Some(rate) = &self.rate
+            && rate.lock().expect("rate poisoned").take().is_some()
+        {
+            return None;
+        }
+        Some(self.admit().map(|trial| Permit {
+            guard: self,
+            _slot: slot,
+            trial,
+            settled: false,
+        }))
     }
 
     /// A cheap look before queueing for a slot: refuse at once while open.
@@ -274,6 +312,21 @@ mod tests {
             breaker_cool_down: Duration::from_millis(cool_down_ms),
             ..GuardConfig::default()
         }
+    }
+
+    #[test]
+    fn try_enter_never_waits_and_an_unused_permit_gives_its_rate_token_back() {
+        let guard = Guard::new(&GuardConfig {
+            rate_per_second: 0.001,
+            ..GuardConfig::default()
+        });
+        let first = guard.try_enter().expect("a token is there").unwrap();
+        first.release();
+        // Given back: a key found done spent nothing.
+        let second = guard.try_enter().expect("the token came back").unwrap();
+        second.record(Ok(()));
+        // Spent by a call: the next one would wait.
+        assert!(guard.try_enter().is_none());
     }
 
     #[tokio::test(start_paused = true)]

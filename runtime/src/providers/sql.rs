@@ -378,7 +378,11 @@ macro_rules! guarded {
                         result_ref = result_ref.as_deref().unwrap_or(""),
                         "the guard row says this statement ran before: not run again"
                     );
-                    Ok(Delivered { result_ref })
+                    // Read back from a database outside idem: checked as
+                    // any provider's answer.
+                    Ok(Delivered {
+                        result_ref: result_ref.as_deref().and_then(crate::boundary::result_ref),
+                    })
                 }
                 Some(_) => Err(Failure::host(
                     Code::IdempotencyKeyConflict,

@@ -132,10 +132,18 @@ impl Riders {
         result_ref: Option<String>,
         deadline: tokio::time::Instant,
     ) {
-        self.writes.push(Write::Effect {
-            fence,
-            change: EffectChange::Succeed { result_ref },
-        });
+        self.push(
+            Write::Effect {
+                fence,
+                change: EffectChange::Succeed { result_ref },
+            },
+            deadline,
+        );
+    }
+
+    /// An effect's finishing write, to commit by `deadline`.
+    fn push(&mut self, write: Write, deadline: tokio::time::Instant) {
+        self.writes.push(write);
         self.deadline = Some(self.deadline.map_or(deadline, |d| d.min(deadline)));
     }
 
@@ -338,6 +346,37 @@ impl Executor {
         }
     }
 
+    /// What the ledger settled for this effect, read (the rare path: its
+    /// provider has no capacity free now, or its circuit is open). A scoped
+    /// key (`probe`) is looked up by the older-release rule, and a request
+    /// an older release holds under its older key, not settled yet, is
+    /// carried out under that key ([`PlanOutcome::OlderRelease`]).
+    async fn look_up(
+        &self,
+        job: &Job,
+        effect: &Effect,
+        probe: bool,
+    ) -> Result<Option<PlanOutcome>, PlanOutcome> {
+        if probe {
+            let (key, row) = self.key_of_an_older_release(job, effect).await?;
+            if let Some(key) = key {
+                let rekeyed = Effect {
+                    idempotency_key: key.clone(),
+                    ..effect.clone()
+                };
+                return Ok(Some(
+                    self.settled(&rekeyed, row)
+                        .unwrap_or(PlanOutcome::OlderRelease(key)),
+                ));
+            }
+            return Ok(self.settled(effect, row));
+        }
+        let row = retry_transient(|| self.store.effect_get(&effect.idempotency_key))
+            .await
+            .map_err(PlanOutcome::Store)?;
+        Ok(self.settled(effect, row))
+    }
+
     /// The older form of a scoped key (this release's plans), for the claim
     /// to probe (see [`OlderKey`]); `None` for a key of an older release's
     /// stored plan, or one too long to scope, which go by
@@ -375,6 +414,24 @@ impl Executor {
             failpoint::hit(Failpoint::AfterKeyClaimed)
                 .await
                 .map_err(PlanOutcome::Store)?;
+            // The child is born with its ledger row's success, and rides
+            // with the next write as a provider's success does (nothing
+            // leaves the store, so nothing needs awaiting). A child the
+            // store would refuse goes the awaited way and fails there.
+            if let Some(child) = self
+                .child_job(job, effect)
+                .filter(|child| crate::store::check_new_job(child).is_ok())
+            {
+                let deadline = tokio::time::Instant::now() + self.effect_lease;
+                riders.push(
+                    Write::Effect {
+                        fence,
+                        change: EffectChange::SucceedWithChild { child },
+                    },
+                    deadline,
+                );
+                return Ok(());
+            }
             self.enqueue_child(job, effect, &fence).await?;
             return failpoint::hit(Failpoint::AfterKeyMarked)
                 .await
@@ -405,22 +462,37 @@ impl Executor {
         };
         // The permit comes before the key's lease: waiting for a slot or a
         // rate token must not eat into the lease that protects the call.
-        let permit = match provider.guard.enter().await {
-            Ok(permit) => permit,
-            Err(open) => {
-                // A key done before is still skipped while the provider is
-                // down: the (rare) read happens only here.
-                let row = retry_transient(|| self.store.effect_get(&effect.idempotency_key))
-                    .await
-                    .map_err(PlanOutcome::Store)?;
-                if let Some(settled) = self.settled(effect, row) {
+        // Free capacity now (the common case): no read, nothing to flush.
+        // Otherwise, before waiting or deferring, the (rare) read: a key done
+        // before is skipped without spending the provider's capacity, also
+        // while its circuit is open; and what rides is written before any
+        // wait, so no success is held in memory behind a limit (a shutdown
+        // or a takeover during the wait would find its key in doubt).
+        let permit = match provider.guard.try_enter() {
+            Some(Ok(permit)) => permit,
+            waits_or_open => {
+                if let Some(settled) = self.look_up(job, effect, older.is_some()).await? {
                     return Err(settled);
                 }
-                metrics::effect(&effect.provider, "deferred");
-                return Err(PlanOutcome::Deferred {
-                    delay: open.retry_after,
-                    reason: DeferReason::CircuitOpen,
-                });
+                let entered = match waits_or_open {
+                    Some(open) => open,
+                    None => {
+                        self.write_riders(std::mem::take(riders))
+                            .await
+                            .map_err(PlanOutcome::Store)?;
+                        provider.guard.enter().await
+                    }
+                };
+                match entered {
+                    Ok(permit) => permit,
+                    Err(open) => {
+                        metrics::effect(&effect.provider, "deferred");
+                        return Err(PlanOutcome::Deferred {
+                            delay: open.retry_after,
+                            reason: DeferReason::CircuitOpen,
+                        });
+                    }
+                }
             }
         };
         if abort.is_cancelled() {
@@ -710,15 +782,22 @@ impl Executor {
     /// by the same attempt.
     pub fn settle_riders(&self, writes: &[Write], answers: &[Written]) {
         for (write, answer) in writes.iter().zip(answers) {
-            if let (
-                Write::Effect { .. },
-                Written::Effect {
-                    fence: Fence::FencedOut,
-                    ..
-                },
-            ) = (write, answer)
-            {
-                self.fenced_out("effect success");
+            match (write, answer) {
+                (
+                    Write::Effect { .. },
+                    Written::Effect {
+                        fence: Fence::FencedOut,
+                        ..
+                    },
+                ) => self.fenced_out("effect success"),
+                (
+                    Write::Effect { .. },
+                    Written::Effect {
+                        fence: Fence::Applied,
+                        child: Some(child),
+                    },
+                ) => child_enqueued(&self.stats, child),
+                _ => {}
             }
         }
     }

@@ -171,8 +171,11 @@ impl LeaseKeeper {
         self.len() == 0
     }
 
-    /// Extends every lease that is a third used, in one batch; cancels the
-    /// tokens of jobs whose lease was lost. Returns how many were extended.
+    /// Extends every lease that is a third used; cancels the tokens of
+    /// jobs whose lease was lost. Returns how many were extended. Each
+    /// extension is its own write (the group commit still flushes them
+    /// together), so one the database refuses keeps no other lease from
+    /// being extended.
     pub async fn round(&self, store: &dyn Store) -> Result<usize, StoreError> {
         let now = Instant::now();
         let due: Vec<(JobFence, Duration, bool)> = self
@@ -197,9 +200,11 @@ impl LeaseKeeper {
                 },
             })
             .collect();
-        let answers = store.write_batch(writes).await?;
+        let writes: Vec<Write> = writes;
+        let answers = futures::future::join_all(writes.into_iter().map(|w| store.write(w))).await;
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let mut extended = 0;
+        let mut failed = None;
         for ((fence, lease, _), answer) in due.into_iter().zip(answers) {
             let Some(h) = held.get_mut(&fence.id) else {
                 continue;
@@ -207,6 +212,15 @@ impl LeaseKeeper {
             if h.fence != fence {
                 continue;
             }
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(error) => {
+                    // Unknown: the lease is tried again next round.
+                    tracing::warn!(job_id = %fence.id, %error, "cannot extend a lease this round");
+                    failed.get_or_insert(error);
+                    continue;
+                }
+            };
             match answer {
                 Written::Job(Fence::Applied) => {
                     h.extended_at = now;
@@ -220,7 +234,10 @@ impl LeaseKeeper {
                 }
             }
         }
-        Ok(extended)
+        match failed {
+            Some(error) if extended == 0 => Err(error),
+            _ => Ok(extended),
+        }
     }
 
     /// Runs rounds until `stop`; a failed round is logged and tried again at

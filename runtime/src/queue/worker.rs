@@ -403,29 +403,14 @@ impl Worker {
     /// answer is counted, and the job let go, by [`Worker::recorded`].
     fn record_later(
         self: &Arc<Self>,
-        mut outcome: Outcome,
+        outcome: Outcome,
         span: tracing::Span,
         recording: &TaskTracker,
     ) {
         let Some((write, recorded)) = outcome.write.clone() else {
             // Nothing to record for the job (the lease was lost, or the
             // store failed); an effect carried out is still marked.
-            if !outcome.riders.is_empty() {
-                outcome.hold.recording();
-                let me = self.clone();
-                recording.spawn(
-                    async move {
-                        let riders = std::mem::take(&mut outcome.riders);
-                        if let Err(error) = me.executor.write_riders(riders).await {
-                            tracing::error!(%error, "cannot mark an effect carried out; its key will be in doubt when its lease ends");
-                        }
-                        me.let_go(outcome);
-                    }
-                    .instrument(span),
-                );
-                return;
-            }
-            return self.let_go(outcome);
+            return self.clone().riders_alone(outcome, recording, span);
         };
         outcome.hold.recording();
         let (me, recording, token) = (self.clone(), recording.clone(), recording.token());
@@ -480,8 +465,38 @@ impl Worker {
             }
             Err(error) => {
                 tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+                self.riders_alone(outcome, recording, span);
+            }
+        }
+    }
+
+    /// No job write carries the riders (none was decided, or the outcome's
+    /// unit was refused): the job is left to its lease, but an effect
+    /// carried out is still marked, on its own, in a recording task.
+    fn riders_alone(
+        self: Arc<Self>,
+        mut outcome: Outcome,
+        recording: &TaskTracker,
+        span: tracing::Span,
+    ) {
+        if outcome.riders.is_empty() {
+            return self.let_go(outcome);
+        }
+        outcome.hold.recording();
+        recording.spawn(
+            async move {
+                self.write_riders_of(&mut outcome).await;
                 self.let_go(outcome);
             }
+            .instrument(span),
+        );
+    }
+
+    /// Writes an outcome's riders on their own (see [`Worker::riders_alone`]).
+    async fn write_riders_of(&self, outcome: &mut Outcome) {
+        let riders = std::mem::take(&mut outcome.riders);
+        if let Err(error) = self.executor.write_riders(riders).await {
+            tracing::error!(%error, "cannot mark an effect carried out; its key will be in doubt when its lease ends");
         }
     }
 
@@ -489,7 +504,7 @@ impl Worker {
     /// [`outcome::record`] does), then goes on as [`Worker::recorded`].
     async fn record_again(
         self: Arc<Self>,
-        outcome: Outcome,
+        mut outcome: Outcome,
         recorded: Recorded,
         error: StoreError,
     ) {
@@ -512,6 +527,7 @@ impl Worker {
             }
             Err(error) => {
                 tracing::error!(%error, "cannot record the outcome; the lease will expire and the job will be redelivered");
+                self.write_riders_of(&mut outcome).await;
                 self.let_go(outcome);
             }
         }

@@ -51,7 +51,8 @@ use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 /// Settings of the flusher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupCommitSettings {
-    /// Most writes in one transaction.
+    /// Most units in one transaction (a unit is one caller's writes that
+    /// commit together: usually one write, at most a few).
     pub max_batch: usize,
     /// How long a flush waits for more writes when fewer than `max_batch`
     /// are queued (zero: never wait; a busy store batches on its own while
@@ -324,12 +325,16 @@ impl GroupCommit {
         self.queues.len()
     }
 
-    /// Queues a unit of writes in its lane (its first write's); a stopped
-    /// flusher answers it with [`StoreError::WriterStopped`] at once.
+    /// Queues a unit of writes in its lane (its job's, so one job's writes
+    /// keep their order: the lane of its first job write or key claim,
+    /// else of its first write); a stopped flusher answers it with
+    /// [`StoreError::WriterStopped`] at once.
     fn queue(&self, writes: Vec<Write>, reply: Reply) {
         let lane = writes
-            .first()
-            .map_or(0, |first| lane_of(first, self.queues.len()));
+            .iter()
+            .find(|w| matches!(w, Write::Job { .. } | Write::EffectClaim(_)))
+            .or(writes.first())
+            .map_or(0, |write| lane_of(write, self.queues.len()));
         let urgent = is_urgent(&writes);
         let pending = Pending {
             queued: Queued::new(&self.backlog, writes.len()),

@@ -432,13 +432,8 @@ fn pg_result_ref(row: &PgRow, call: &StatementCall) -> Result<Option<String>, Fa
         "TEXT" | "VARCHAR" | "BPCHAR" | "CHAR" | "NAME" => row.try_get::<String, _>(0),
         other => return Err(unreadable(call, other)),
     };
-    text.map(|t| Some(capped(t)))
+    text.map(|t| crate::boundary::result_ref(&t))
         .map_err(|_| unreadable(call, &ty))
-}
-
-/// A result reference is an identifier: at most 256 bytes are kept.
-fn capped(text: String) -> String {
-    crate::failure::truncate(text, 256)
 }
 
 fn sqlite_result_ref(row: &SqliteRow, call: &StatementCall) -> Result<Option<String>, Failure> {
@@ -458,7 +453,7 @@ fn sqlite_result_ref(row: &SqliteRow, call: &StatementCall) -> Result<Option<Str
         "TEXT" => row.try_get::<String, _>(0),
         other => return Err(unreadable(call, other)),
     };
-    text.map(|t| Some(capped(t)))
+    text.map(|t| crate::boundary::result_ref(&t))
         .map_err(|_| unreadable(call, &ty))
 }
 
