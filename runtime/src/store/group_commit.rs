@@ -22,7 +22,9 @@
 //!   extensions, flushed before the next batch of other writes, so a
 //!   backlog of outcomes never delays the heartbeats that keep their jobs'
 //!   leases (an extension after a job's finish is fenced out, so they need
-//!   no order with outcomes).
+//!   no order with outcomes). Ledger claims go there too: a handler waits
+//!   for its claim, nobody waits for an outcome (a job's outcome is made
+//!   after its last claim answered, so they need no order either).
 //! - **A bad write fails only itself.** A batch whose data the database
 //!   refuses (a value it cannot store, a trigger that raises: nothing
 //!   committed) is split in halves and committed again until the
@@ -182,18 +184,23 @@ struct Lane {
     normal: mpsc::UnboundedSender<Pending>,
 }
 
-/// Whether a unit goes to its lane's urgent queue: lease extensions only.
+/// Whether a unit goes to its lane's urgent queue: lease extensions, and
+/// ledger claims (a handler waits for its claim before the provider call,
+/// while nobody waits for an outcome: a claim must not queue behind a
+/// flush of outcomes, nor share its statements).
 fn is_urgent(writes: &[Write]) -> bool {
+    let heartbeat = |write: &Write| {
+        matches!(
+            write,
+            Write::Job {
+                change: super::JobChange::Heartbeat { .. },
+                ..
+            }
+        )
+    };
     !writes.is_empty()
-        && writes.iter().all(|write| {
-            matches!(
-                write,
-                Write::Job {
-                    change: super::JobChange::Heartbeat { .. },
-                    ..
-                }
-            )
-        })
+        && (writes.iter().all(heartbeat)
+            || writes.iter().any(|w| matches!(w, Write::EffectClaim(_))))
 }
 
 /// Who learns a write's answer.
@@ -726,6 +733,58 @@ mod tests {
             );
             assert!(lane_of(&heartbeat, 3) < 3);
         }
+    }
+
+    #[test]
+    fn heartbeats_and_claims_are_urgent_outcomes_are_not() {
+        let heartbeat = job_write(
+            1,
+            JobChange::Heartbeat {
+                lease: Duration::from_secs(30),
+                started: true,
+            },
+        );
+        let claim = Write::EffectClaim(crate::store::EffectClaimParams {
+            key: "p/k".into(),
+            job_id: JobId(1),
+            plugin: "p".into(),
+            provider: "email".into(),
+            fingerprint: "fp".into(),
+            worker: "w".into(),
+            job_attempt: 1,
+            lease: Duration::from_secs(30),
+            older_key: None,
+        });
+        let plan = job_write(
+            1,
+            JobChange::SavePlan {
+                plan: "[]".into(),
+                plugin_hash: "h".into(),
+            },
+        );
+        let success = job_write(
+            1,
+            JobChange::Succeed {
+                plugin_hash: None,
+                plan: None,
+            },
+        );
+        assert!(is_urgent(std::slice::from_ref(&heartbeat)));
+        assert!(
+            is_urgent(&[plan.clone(), claim.clone()]),
+            "a plan with its claim"
+        );
+        assert!(
+            is_urgent(&[effect_write("p/k0"), claim]),
+            "a success with the next claim"
+        );
+        assert!(
+            !is_urgent(&[effect_write("p/k"), success.clone()]),
+            "an outcome"
+        );
+        assert!(!is_urgent(&[heartbeat, success]));
+        assert!(!is_urgent(&[plan]));
+        assert!(!is_urgent(&[]));
     }
 
     #[test]
