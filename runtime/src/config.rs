@@ -189,7 +189,10 @@ pub struct WorkerConfig {
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            queues: BTreeMap::from([("default".to_string(), 8)]),
+            // I/O-bound by default: a handler spends most of a job with an
+            // effect waiting on its provider (as many as a provider's
+            // default `concurrency`; docs/operations.md, "Sizing").
+            queues: BTreeMap::from([("default".to_string(), 16)]),
             queue_limits: BTreeMap::new(),
             poll_interval: Duration::from_secs(1),
             lease: Duration::from_secs(30),
