@@ -83,6 +83,29 @@ async fn claim(h: &Harness, worker: &str, lease_s: u64) -> Job {
         .remove(0)
 }
 
+/// A job of its own on the `blockers` queue, held by `worker` (a job
+/// other than the one under test, to carry a key out first).
+async fn held_blocker(h: &Harness, id: u64, worker: &str) -> Job {
+    h.store
+        .job_insert(NewJob {
+            queue: "blockers".into(),
+            ..invoice(id)
+        })
+        .await
+        .unwrap();
+    h.store
+        .job_claim(ClaimParams {
+            queue: "blockers".into(),
+            worker: worker.into(),
+            limit: 1,
+            lease: Duration::from_secs(60),
+            queue_concurrency: None,
+        })
+        .await
+        .unwrap()
+        .remove(0)
+}
+
 fn executor(h: &Harness, worker: &str, providers: idem::providers::Providers) -> Executor {
     Executor {
         store: h.store.clone(),
@@ -259,25 +282,7 @@ async fn a_done_key_spends_a_rate_token_before_it_is_skipped(backend: Backend) {
     let h = Harness::new(backend).await;
     let (done, fresh) = (webhook("r3:done"), webhook("r3:fresh"));
     // An earlier job carried out `done` (no rate limit then).
-    h.store
-        .job_insert(NewJob {
-            queue: "blockers".into(),
-            ..invoice(31)
-        })
-        .await
-        .unwrap();
-    let earlier = h
-        .store
-        .job_claim(ClaimParams {
-            queue: "blockers".into(),
-            worker: "earlier".into(),
-            limit: 1,
-            lease: Duration::from_secs(60),
-            queue_concurrency: None,
-        })
-        .await
-        .unwrap()
-        .remove(0);
+    let earlier = held_blocker(&h, 31, "earlier").await;
     let ex = executor(&h, "earlier", h.providers());
     let mut riders = Riders::default();
     let outcome = ex
@@ -328,25 +333,7 @@ async fn an_older_release_success_is_not_skipped_while_the_circuit_is_open(backe
         .unwrap()
         .to_string();
     // An older release claimed and carried out the bare key.
-    h.store
-        .job_insert(NewJob {
-            queue: "blockers".into(),
-            ..invoice(41)
-        })
-        .await
-        .unwrap();
-    let old = h
-        .store
-        .job_claim(ClaimParams {
-            queue: "blockers".into(),
-            worker: "old-release".into(),
-            limit: 1,
-            lease: Duration::from_secs(60),
-            queue_concurrency: None,
-        })
-        .await
-        .unwrap()
-        .remove(0);
+    let old = held_blocker(&h, 41, "old-release").await;
     let fence = match h
         .store
         .effect_claim(idem::store::EffectClaimParams {
