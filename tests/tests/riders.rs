@@ -118,6 +118,24 @@ fn executor(h: &Harness, worker: &str, providers: idem::providers::Providers) ->
     }
 }
 
+/// Waits (polling, bounded) until `key`'s ledger row says succeeded: the
+/// state a holder reaches before it waits for provider capacity (what
+/// rides is written first), or once a refused outcome's riders went alone.
+async fn wait_succeeded(h: &Harness, key: &str) {
+    let started = Instant::now();
+    loop {
+        let row = h.store.effect_get(key).await.unwrap();
+        if row.is_some_and(|r| r.status == EffectStatus::Succeeded) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{key} never marked succeeded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn wait_applied(h: &Harness, key: &str) {
     let started = Instant::now();
     while h.provider.applied(key) == 0 {
@@ -160,7 +178,7 @@ async fn a_graceful_shutdown_during_the_next_effects_rate_wait_loses_a_recorded_
     let run = tokio::spawn(worker.run(shutdown.clone()));
     wait_applied(&h, &sent.idempotency_key).await;
     // The job now waits ~50 s for the partner's next token.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_succeeded(&h, &sent.idempotency_key).await;
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(60), run)
         .await
@@ -238,7 +256,7 @@ async fn a_takeover_while_the_holder_waits_for_its_next_permit_finds_a_sent_key_
     let mut riders_a = Riders::default();
     let (ra, rb) = tokio::join!(a.execute(&job_a, &plan_a, &never, &mut riders_a), async {
         wait_applied(&h, &sent.idempotency_key).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        wait_succeeded(&h, &sent.idempotency_key).await;
         // A has waited past the email key's lease (7 s) for the slot.
         h.store
             .clock_advance(Duration::from_secs(60))
@@ -448,7 +466,7 @@ async fn a_refused_outcome_drops_the_effect_success_riding_with_it(backend: Back
     let shutdown = tokio_util::sync::CancellationToken::new();
     let run = tokio::spawn(worker.run(shutdown.clone()));
     wait_applied(&h, key).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_succeeded(&h, key).await;
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(60), run)
         .await
