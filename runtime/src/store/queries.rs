@@ -96,6 +96,7 @@ pub(crate) struct Queries {
     pub overview_ready: String,
     pub overview_recent: String,
     pub overview_dead_codes: String,
+    pub effect_claim_fresh: String,
     pub effect_insert: String,
     pub effect_take_over: String,
     pub effect_read: String,
@@ -495,6 +496,38 @@ impl Queries {
                 "SELECT queue, COALESCE(last_error_code, '-') AS code, count(*) AS n FROM jobs \
                  WHERE state = 'dead' GROUP BY queue, COALESCE(last_error_code, '-')",
             ),
+            // The common claim in one statement (one round trip of a flush
+            // instead of three): the claimer still holds its job at its
+            // attempt (rows locked until the claim commits on PostgreSQL,
+            // as `effect_claim_fence`), the key's older-release form has no
+            // row (any row sends the claim to `effect_owners`, which checks
+            // whose it is), and the key has no row. A claim not inserted
+            // takes the full path; it learns there which of the three
+            // stopped it. Rows go in key order (keys are distinct), so two
+            // transactions claiming overlapping keys wait for each other
+            // instead of deadlocking.
+            effect_claim_fresh: x(&format!(
+                "WITH held AS (SELECT jobs.id, jobs.lease_owner, jobs.attempt FROM jobs, {rows} \
+                     WHERE {picked} AND jobs.id = t.job_id AND {{claimer_running}} \
+                       AND jobs.lease_owner = t.owner AND jobs.attempt = t.job_attempt \
+                     {{lock_jobs}}) \
+                 INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
+                     lease_owner, lease_until, created_at, updated_at, first_sent_at, \
+                     claim_job, claim_attempt) \
+                 SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'processing', 1, \
+                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}}, t.job_id, t.job_attempt \
+                 FROM {rows} \
+                 WHERE EXISTS (SELECT 1 FROM held WHERE held.id = t.job_id \
+                         AND held.lease_owner = t.owner AND held.attempt = t.job_attempt) \
+                   AND NOT EXISTS (SELECT 1 FROM effects older WHERE older.key = t.older_key) \
+                 ORDER BY t.key \
+                 ON CONFLICT (key) DO NOTHING RETURNING key, attempt",
+                rows = (d.rows)(&FRESH_CLAIM_COLS),
+                picked = (d.ids_in)(
+                    "jobs.id",
+                    &format!("SELECT t.job_id FROM {}", (d.rows)(&FRESH_CLAIM_COLS))
+                ),
+            )),
             // Rows go in key order (keys are distinct within a round), so
             // two transactions claiming overlapping keys wait for each
             // other instead of deadlocking.
@@ -613,6 +646,20 @@ pub(crate) const CLAIM_COLS: [(&str, ColType); 8] = [
     ("owner", Text),
     ("lease", Int),
     ("job_attempt", Int),
+];
+
+/// Columns of a claim on the one-statement path (`effect_claim_fresh`):
+/// [`CLAIM_COLS`] and the key's older-release form, if it has one.
+pub(crate) const FRESH_CLAIM_COLS: [(&str, ColType); 9] = [
+    ("key", Text),
+    ("job_id", Int),
+    ("plugin", Text),
+    ("provider", Text),
+    ("fingerprint", Text),
+    ("owner", Text),
+    ("lease", Int),
+    ("job_attempt", Int),
+    ("older_key", Text),
 ];
 
 /// Columns of a ledger row written as succeeded, in row-set order.

@@ -634,6 +634,26 @@ impl Store for SqlStore {
             }
 
             let mut claims = plan.claims();
+            // Most claims are fresh keys of jobs still held: one statement
+            // inserts those; the rest (and a second claim of a key in this
+            // batch) take the full path below, which finds out why.
+            if !claims.is_empty() {
+                let (round, later) = split_unique(claims, |c| c.params.key.clone());
+                let inserted: Vec<(String, i64)> = sqlx::query_as(&self.q.effect_claim_fresh)
+                    .bind_rows(fresh_claim_row_set(&round))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                let inserted: HashMap<String, i64> = inserted.into_iter().collect();
+                let mut rest = Vec::new();
+                for claim in round {
+                    match inserted.get(&claim.params.key) {
+                        Some(attempt) => batch.claimed(&claim, *attempt, None)?,
+                        None => rest.push(claim),
+                    }
+                }
+                rest.extend(later);
+                claims = rest;
+            }
             if !claims.is_empty() {
                 // A key is claimed only while its claimer still holds the job
                 // at its attempt: a worker that woke up after its job was
@@ -1736,6 +1756,16 @@ fn claim_row_set(claims: &[ClaimItem]) -> RowSet {
         .texts(claims.iter().map(|c| c.params.worker.clone()))
         .ints(claims.iter().map(|c| input::millis(c.params.lease)))
         .ints(claims.iter().map(|c| i64::from(c.params.job_attempt)))
+}
+
+/// The row set of claims on the one-statement path (as
+/// `queries::FRESH_CLAIM_COLS`).
+fn fresh_claim_row_set(claims: &[ClaimItem]) -> RowSet {
+    claim_row_set(claims).opt_texts(
+        claims
+            .iter()
+            .map(|c| c.params.older_key.as_ref().map(|o| o.key.clone())),
+    )
 }
 
 /// The row set of one statement of effect writes.

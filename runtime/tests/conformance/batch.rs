@@ -647,6 +647,40 @@ pub async fn a_plan_and_its_claim_commit_together_some_fenced_out(store: Arc<dyn
     assert_eq!(seen, 2);
 }
 
+/// Two jobs claim one fresh key in one statement set (a flush): one holds
+/// it, the other learns the key is leased by another, never both claimed.
+pub async fn one_fresh_key_claimed_twice_in_one_batch_goes_to_one(store: Arc<dyn Store>) {
+    store
+        .job_insert_many((0..2).map(|_| job("twice")).collect())
+        .await
+        .unwrap();
+    let claimed = store.job_claim(claim_params("w", 2, LONG)).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    let answers = store
+        .write_batch(vec![
+            Write::EffectClaim(claim_by(&claimed[0], "twice:k", LONG)),
+            Write::EffectClaim(claim_by(&claimed[1], "twice:k", LONG)),
+        ])
+        .await
+        .unwrap();
+    let holders: Vec<usize> = answers
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| matches!(a, Written::EffectClaim(EffectClaim::Claimed { .. })))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(holders, vec![0], "{answers:?}");
+    assert!(
+        matches!(
+            answers[1],
+            Written::EffectClaim(EffectClaim::LeasedByOther { .. })
+        ),
+        "{answers:?}"
+    );
+    let row = store.effect_get("twice:k").await.unwrap().unwrap();
+    assert_eq!(row.job_id, claimed[0].id);
+}
+
 /// A job's success and its last key's success lost together in a crash
 /// (the group commit's buffer, after the provider answered): neither is
 /// committed, and the job's next attempt finds the key in doubt (it may

@@ -141,6 +141,7 @@ macro_rules! conformance_suite {
             batch::group_commit_buffer_lost_in_a_crash_writes_nothing,
             batch::lanes_answer_each_write_and_keep_each_jobs_order,
             batch::a_plan_and_its_claim_commit_together_some_fenced_out,
+            batch::one_fresh_key_claimed_twice_in_one_batch_goes_to_one,
             batch::a_lost_success_leaves_the_key_in_doubt_for_the_next_attempt,
             statements::statement_commits_with_its_ledger_row,
             statements::statement_of_a_stale_claim_runs_nothing,
