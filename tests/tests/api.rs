@@ -521,3 +521,81 @@ async fn a_cookie_alone_cannot_change_anything_from_another_origin() {
         JobState::Cancelled
     );
 }
+
+/// Every answer carries the security headers (one layer on the router, so
+/// no route can forget them): a strict Content-Security-Policy that also
+/// forbids framing, `X-Frame-Options`, `nosniff`, no referrer; `no-store`
+/// on everything but the static assets, which hold no data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_answer_carries_the_security_headers() {
+    let h = Harness::new(Backend::Sqlite).await;
+    let api = Api::start(&h).await;
+    let fetch = |path: &str, token: bool| {
+        let mut request = api.client.get(format!("{}{path}", api.base));
+        if token {
+            request = request.bearer_auth(TOKEN);
+        }
+        request.send()
+    };
+    let csp = idem::ops::headers::CONTENT_SECURITY_POLICY;
+    assert!(csp.contains("frame-ancestors 'none'") && csp.contains("script-src 'self'"));
+    let mut pages = Vec::new();
+    for (path, token, status, cache) in [
+        ("/ui", true, 200, "no-store"),
+        ("/ui/jobs", true, 200, "no-store"),
+        ("/ui/dlq", true, 200, "no-store"),
+        ("/ui/login", false, 200, "no-store"),
+        ("/api/queues", true, 200, "no-store"),
+        ("/api/queues", false, 401, "no-store"),
+        ("/api/nothing-here", true, 404, "no-store"),
+        ("/healthz", false, 200, "no-store"),
+        ("/ui/assets/idem.css", false, 200, "public, max-age=86400"),
+        ("/ui/assets/live.js", false, 200, "public, max-age=86400"),
+    ] {
+        let answer = fetch(path, token).await.unwrap();
+        assert_eq!(answer.status().as_u16(), status, "{path}");
+        let headers = answer.headers();
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_else(|| panic!("{path} has no {name}"))
+                .to_string()
+        };
+        assert_eq!(header("content-security-policy"), csp, "{path}");
+        assert_eq!(header("x-frame-options"), "DENY", "{path}");
+        assert_eq!(header("x-content-type-options"), "nosniff", "{path}");
+        assert_eq!(header("referrer-policy"), "no-referrer", "{path}");
+        assert_eq!(header("cache-control"), cache, "{path}");
+        let content_type = header("content-type");
+        let body = answer.text().await.unwrap();
+        match path.rsplit('.').next() {
+            Some("css") => assert_eq!(content_type, "text/css; charset=utf-8"),
+            Some("js") => assert_eq!(content_type, "text/javascript; charset=utf-8"),
+            _ if path.starts_with("/ui") => {
+                assert!(content_type.starts_with("text/html"), "{path}");
+                pages.push((path, body));
+            }
+            _ => {}
+        }
+    }
+    // The policy refuses inline styles and scripts: no page may hold any,
+    // and what the pages link to is served.
+    for (path, html) in pages {
+        assert!(!html.contains("<style"), "{path} has a <style> element");
+        assert!(!html.contains(" style="), "{path} has a style attribute");
+        assert!(!html.contains("<script>"), "{path} has an inline script");
+        let stylesheet = html
+            .split("href=\"")
+            .map(|rest| rest.split('"').next().unwrap_or_default())
+            .find(|href| href.starts_with("/ui/assets/idem.css?v="))
+            .unwrap_or_else(|| panic!("{path} links no stylesheet"));
+        assert_eq!(fetch(stylesheet, false).await.unwrap().status(), 200);
+        if path == "/ui" {
+            assert!(
+                html.contains("<script src=\"/ui/assets/live.js?v="),
+                "the overview loads its live counters"
+            );
+        }
+    }
+}

@@ -69,6 +69,57 @@ async fn wait_for(client: &fantoccini::Client, id: &str) -> fantoccini::elements
     }
 }
 
+/// A headless Chromium session through a chromedriver of its own.
+async fn browser() -> (Chromedriver, fantoccini::Client) {
+    let (driver, driver_url) = chromedriver().await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({
+            "binary": "/usr/bin/chromium",
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"]
+        }),
+    );
+    let client = ClientBuilder::rustls()
+        .expect("tls")
+        .capabilities(caps)
+        .connect(&driver_url)
+        .await
+        .expect("a chromium session through chromedriver");
+    (driver, client)
+}
+
+/// Signs in on the sign-in page the browser shows, with the right token.
+async fn sign_in(client: &fantoccini::Client) {
+    wait_for(client, "token")
+        .await
+        .send_keys(TOKEN)
+        .await
+        .unwrap();
+    wait_for(client, "sign-in").await.click().await.unwrap();
+}
+
+/// The text of the element with this id once `done` accepts it.
+async fn wait_until_text(
+    client: &fantoccini::Client,
+    id: &str,
+    done: impl Fn(&str) -> bool,
+) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = wait_for(client, id).await.text().await.unwrap_or_default();
+        if done(&text) {
+            return text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "#{id} still reads {text:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn screenshot(client: &fantoccini::Client, name: &str) {
     let Ok(dir) = std::env::var("IDEM_SCREENSHOTS") else {
         return;
@@ -127,22 +178,7 @@ async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
     let base = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(idem::ops::api::serve(listener, state, stop.clone()));
 
-    let (_driver, driver_url) = chromedriver().await;
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut caps = serde_json::Map::new();
-    caps.insert(
-        "goog:chromeOptions".into(),
-        serde_json::json!({
-            "binary": "/usr/bin/chromium",
-            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"]
-        }),
-    );
-    let client = ClientBuilder::rustls()
-        .expect("tls")
-        .capabilities(caps)
-        .connect(&driver_url)
-        .await
-        .expect("a chromium session through chromedriver");
+    let (_driver, client) = browser().await;
 
     // Not signed in: the dashboard sends the browser to sign in.
     client.goto(&format!("{base}/ui")).await.unwrap();
@@ -163,15 +199,21 @@ async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
     let refused = wait_for(&client, "login-error").await.text().await.unwrap();
     assert!(refused.contains("not this host's"), "{refused}");
     screenshot(&client, "login").await;
-    wait_for(&client, "token")
-        .await
-        .send_keys(TOKEN)
-        .await
-        .unwrap();
-    wait_for(&client, "sign-in").await.click().await.unwrap();
+    sign_in(&client).await;
     let queues = wait_for(&client, "queues").await.text().await.unwrap();
     assert_eq!(client.current_url().await.unwrap().path(), "/ui");
     assert!(queues.contains("all queues"), "{queues}");
+    // The stylesheet and the live counters are served files, allowed by
+    // the Content-Security-Policy: the page is styled, and the script
+    // reads /api/queues and stamps the time of its refresh.
+    let header = client.find(Locator::Css("header")).await.unwrap();
+    assert_eq!(
+        header.css_value("background-color").await.unwrap(),
+        "rgba(29, 36, 51, 1)",
+        "the stylesheet applies"
+    );
+    let refreshed = wait_until_text(&client, "refreshed", |text| text != "now").await;
+    assert!(refreshed.contains(':'), "a time: {refreshed}");
     let dead_count = wait_for(&client, "c-total-dead")
         .await
         .text()
@@ -250,4 +292,67 @@ async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
     stop.cancel();
     let _ = server.await;
     let _ = worker.await;
+}
+
+/// Which of these ids, if any, the current frame shows within `within`.
+async fn any_shown(client: &fantoccini::Client, ids: &[&str], within: Duration) -> Option<String> {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        for id in ids {
+            if client.find(Locator::Id(id)).await.is_ok() {
+                return Some((*id).to_string());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+/// Clickjacking: a page on another port of the same host is the same site,
+/// so a signed-in browser sends the dashboard's cookie into a frame it
+/// embeds, and a click there would pass the same-origin check. The
+/// dashboard refuses to be framed (`frame-ancestors 'none'`,
+/// `X-Frame-Options: DENY`): the frame shows nothing of it, neither the
+/// overview nor the sign-in form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_page_on_another_port_cannot_frame_the_dashboard() {
+    let h = Harness::new(Backend::Sqlite).await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(idem::ops::api::serve(
+        listener,
+        h.api_state(TOKEN, false),
+        stop.clone(),
+    ));
+    // The other page: another port of the same host, framing the overview.
+    let framer = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let framer_url = format!("http://{}/", framer.local_addr().unwrap());
+    let framing_page = format!(
+        "<!doctype html><html><body><p id=\"framer\">Win a prize!</p>\
+         <iframe src=\"{base}/ui\" width=\"1000\" height=\"700\"></iframe></body></html>"
+    );
+    let framer_server = tokio::spawn(async move {
+        let app = axum::Router::new().route(
+            "/",
+            axum::routing::get(move || async move { axum::response::Html(framing_page) }),
+        );
+        axum::serve(framer, app).await
+    });
+
+    let (_driver, client) = browser().await;
+    client.goto(&format!("{base}/ui")).await.unwrap();
+    sign_in(&client).await;
+    wait_for(&client, "queues").await;
+
+    client.goto(&framer_url).await.unwrap();
+    wait_for(&client, "framer").await;
+    client.enter_frame(Some(0)).await.unwrap();
+    let shown = any_shown(&client, &["queues", "sign-in"], Duration::from_secs(3)).await;
+    assert_eq!(shown, None, "the framed dashboard shows #{shown:?}");
+
+    client.close().await.unwrap();
+    stop.cancel();
+    let _ = server.await;
+    framer_server.abort();
 }

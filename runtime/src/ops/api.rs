@@ -194,6 +194,8 @@ pub fn router(state: ApiState) -> Router {
         .merge(metrics)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Outermost, so every answer gets them: errors, fallbacks, redirects.
+        .layer(middleware::map_response(super::headers::secure))
         .with_state(state)
 }
 

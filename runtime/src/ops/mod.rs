@@ -10,9 +10,13 @@
 //! - [`auth`]: the bearer token, compared in constant time.
 //! - [`api`]: the HTTP routes under `/api/`, `/metrics` and `/healthz`.
 //! - [`ui`]: the dashboard at `/ui`, rendered on the server.
+//! - [`assets`]: the dashboard's stylesheet and script, served from `/ui/assets/`.
+//! - [`headers`]: the security headers every answer carries (CSP, no framing, no-store).
 
 pub mod api;
+pub mod assets;
 pub mod auth;
+pub mod headers;
 pub mod preview;
 pub mod replay;
 pub mod ui;

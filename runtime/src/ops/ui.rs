@@ -1,6 +1,7 @@
 //! The dashboard at `/ui`: HTML rendered on the server from the same read
-//! model as the API, a few lines of inline script for live counters, no
-//! asset from anywhere else. Sign-in takes the API token and keeps it in an
+//! model as the API, one stylesheet and a small live-counter script served
+//! from `/ui/assets/` (nothing inline, nothing from anywhere else, so the
+//! strict Content-Security-Policy of [`super::headers`] holds). Sign-in takes the API token and keeps it in an
 //! HttpOnly, SameSite=Strict cookie; every page and form then goes through
 //! the same token check as the API.
 
@@ -8,7 +9,7 @@ use super::api::{ApiError, ApiState, MAX_REPLAY};
 use super::auth::COOKIE;
 use super::replay::{ReplayRequest, replay};
 use super::view::{self, JobQuery};
-use super::{OpsError, preview};
+use super::{OpsError, assets, preview};
 use crate::store::{JobId, JobState};
 use axum::Router;
 use axum::extract::{Form, Path, Query, State};
@@ -31,9 +32,11 @@ pub fn routes() -> Router<ApiState> {
         .route("/ui/logout", post(logout))
 }
 
-/// The sign-in page.
+/// The sign-in page and the static assets.
 pub fn public_routes() -> Router<ApiState> {
-    Router::new().route("/ui/login", get(login_page).post(login))
+    Router::new()
+        .route("/ui/login", get(login_page).post(login))
+        .merge(assets::routes())
 }
 
 /// Where an unauthenticated browser is sent.
@@ -61,33 +64,26 @@ pub fn escape(text: &str) -> String {
     out
 }
 
-const STYLE: &str = "body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2433;background:#f5f6f8}\
-header{background:#1d2433;color:#fff;padding:10px 24px;display:flex;gap:20px;align-items:center}\
-header a{color:#cfd6e4;text-decoration:none}header a:hover{color:#fff}header b{margin-right:12px}\
-main{padding:20px 24px;max-width:1200px}h1{font-size:20px;margin:0 0 14px}h2{font-size:16px;margin:22px 0 8px}\
-table{border-collapse:collapse;background:#fff;width:100%;margin-bottom:12px}\
-th,td{text-align:left;padding:6px 10px;border-bottom:1px solid #e3e6ec;vertical-align:top}\
-th{background:#eef0f4;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}\
-.pill{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;background:#e3e6ec}\
-.succeeded{background:#d3f2dc}.dead,.failed,.open{background:#f9d6d5}.running,.processing,.half_open{background:#fdf0c4}\
-.retrying{background:#fde3c4}.closed{background:#d3f2dc}\
-pre{background:#fff;border:1px solid #e3e6ec;padding:10px;overflow:auto;max-height:320px}\
-button{font:inherit;padding:4px 12px;border:1px solid #8590a6;border-radius:4px;background:#fff;cursor:pointer}\
-button.primary{background:#2557d6;color:#fff;border-color:#2557d6}form.inline{display:inline}\
-.note{background:#fff;border-left:4px solid #2557d6;padding:8px 12px;margin:10px 0}.muted{color:#6b7385}";
-
+/// A page of the dashboard. Its headers (the policy, `no-store`) come from
+/// the router's layer, [`super::headers::secure`].
 fn page(title: &str, body: &str) -> Response {
+    page_with_script(title, body, "")
+}
+
+/// A page that also loads a script from [`assets`] (`script` is its tag).
+fn page_with_script(title: &str, body: &str, script: &str) -> Response {
     let html = format!(
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">\
-         <title>{title} · idem</title><style>{STYLE}</style></head><body>\
+         <title>{title} · idem</title>{stylesheet}{script}</head><body>\
          <header><b>idem</b><a href=\"/ui\">Overview</a><a href=\"/ui/jobs\">Jobs</a>\
          <a href=\"/ui/dlq\" id=\"nav-dlq\">Dead letters</a>\
-         <form class=\"inline\" method=\"post\" action=\"/ui/logout\" style=\"margin-left:auto\">\
+         <form class=\"inline sign-out\" method=\"post\" action=\"/ui/logout\">\
          <button>Sign out</button></form></header><main>{body}</main></body></html>",
-        title = escape(title)
+        title = escape(title),
+        stylesheet = assets::stylesheet_link(),
     );
-    ([(header::CACHE_CONTROL, "no-store")], Html(html)).into_response()
+    Html(html).into_response()
 }
 
 fn error_page(error: ApiError) -> Response {
@@ -145,13 +141,15 @@ fn login_form(error: Option<&str>) -> Response {
         .map(|e| format!("<p class=\"note\" id=\"login-error\">{}</p>", escape(e)))
         .unwrap_or_default();
     let html = format!(
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Sign in · idem</title>\
-         <style>{STYLE}</style></head><body><main style=\"max-width:420px;margin:60px auto\">\
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">\
+         <title>Sign in · idem</title>{stylesheet}</head><body><main class=\"narrow\">\
          <h1>Sign in to idem</h1>{error}<form method=\"post\" action=\"/ui/login\">\
          <p><label>API token<br><input type=\"password\" name=\"token\" id=\"token\" \
-         autocomplete=\"current-password\" style=\"width:100%;padding:6px\"></label></p>\
+         autocomplete=\"current-password\" class=\"wide\"></label></p>\
          <button class=\"primary\" id=\"sign-in\">Sign in</button></form>\
-         <p class=\"muted\">The token is the host's <code>IDEM_API_TOKEN</code>.</p></main></body></html>"
+         <p class=\"muted\">The token is the host's <code>IDEM_API_TOKEN</code>.</p></main></body></html>",
+        stylesheet = assets::stylesheet_link(),
     );
     Html(html).into_response()
 }
@@ -195,14 +193,6 @@ async fn logout() -> Response {
     let cookie = format!("{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
     ([(header::SET_COOKIE, cookie)], Redirect::to("/ui/login")).into_response()
 }
-
-const LIVE: &str = "<script>\
-async function refresh(){try{const r=await fetch('/api/queues',{credentials:'same-origin'});\
-if(!r.ok)return;const o=await r.json();const set=(id,v)=>{const e=document.getElementById(id);if(e)e.textContent=v;};\
-const rows=[['total',o.total]].concat(o.queues.map(q=>['q-'+q.queue,q]));\
-for(const [n,q] of rows){for(const s in q.jobs){set('c-'+n+'-'+s,q.jobs[s]);}\
-set('c-'+n+'-ready',q.ready);set('c-'+n+'-ok1m',q.succeeded_last_minute);set('c-'+n+'-dead1m',q.dead_last_minute);}\
-set('refreshed',new Date().toLocaleTimeString());}catch(e){}}setInterval(refresh,2000);</script>";
 
 async fn overview(State(state): State<ApiState>) -> Response {
     let overview = match view::overview(&*state.store).await {
@@ -290,8 +280,7 @@ async fn overview(State(state): State<ApiState>) -> Response {
         }
         body.push_str("</table>");
     }
-    body.push_str(LIVE);
-    page("Overview", &body)
+    page_with_script("Overview", &body, &assets::live_script_tag())
 }
 
 #[derive(Debug, Deserialize, Default)]
