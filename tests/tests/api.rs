@@ -246,6 +246,35 @@ async fn bad_requests_get_clear_json_errors(backend: Backend) {
             "invalid_request",
         ),
         ("GET", "/api/nothing-here", None, 404, "not_found"),
+        // Issue 24, item 7: a path that does not decode, on every `{id}`
+        // route, and a method a route does not take.
+        ("GET", "/api/jobs/%FF", None, 400, "invalid_request"),
+        ("POST", "/api/jobs/%FF/cancel", None, 400, "invalid_request"),
+        ("GET", "/api/dlq/%FF", None, 400, "invalid_request"),
+        ("DELETE", "/api/jobs/1", None, 405, "method_not_allowed"),
+        ("PUT", "/api/dlq/replay", None, 405, "method_not_allowed"),
+        // Issue 24, item 6: bounded ids, no control characters.
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "correlation_id": "c".repeat(3 << 20)})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "queue": "a\nb"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "\u{1b}[2J"})),
+            400,
+            "invalid_request",
+        ),
     ];
     for (method, path, body, status, code) in cases {
         let (got, answer) = api.call(method, path, body).await;
@@ -260,6 +289,92 @@ async fn bad_requests_get_clear_json_errors(backend: Backend) {
                 .is_some_and(|m| !m.is_empty())
         );
     }
+    // Each refusal names the field, and a batch the job.
+    let refusals = [
+        (
+            json!({"plugin": "noop", "correlation_id": "c".repeat(3 << 20)}),
+            "correlation id",
+        ),
+        (json!({"plugin": "noop", "queue": "a\nb"}), "queue"),
+        (json!({"plugin": "\u{1b}[2J"}), "plugin"),
+    ];
+    for (job, field) in refusals {
+        let (_, single) = api.post("/api/jobs", job.clone()).await;
+        let message = single["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains(field), "{field}: {message}");
+        assert!(message.len() < 1024, "the value is not echoed whole");
+        let batch = json!({"jobs": [{"plugin": "noop"}, job]});
+        let (status, answer) = api.post("/api/jobs/batch", batch).await;
+        assert_eq!((status, error_code(&answer)), (400, "invalid_request"));
+        let message = answer["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            message.starts_with("jobs[1]: ") && message.contains(field),
+            "{field}: {message}"
+        );
+    }
+    // The undecodable path is JSON (not axum's text/plain), a wrong method
+    // says which ones it takes, and the dashboard answers with its page.
+    for (method, path, status, content_type) in [
+        ("GET", "/api/jobs/%FF", 400, "application/json"),
+        ("DELETE", "/api/jobs/1", 405, "application/json"),
+        ("GET", "/ui/jobs/%FF", 400, "text/html"),
+        ("POST", "/ui/dlq/%FF/preview", 400, "text/html"),
+        ("POST", "/ui/dlq/%FF/replay", 400, "text/html"),
+        ("DELETE", "/ui/jobs/1", 405, "text/html"),
+    ] {
+        let response = api
+            .client
+            .request(method.parse().unwrap(), format!("{}{path}", api.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), status, "{method} {path}");
+        let got = response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(got.starts_with(content_type), "{method} {path}: {got}");
+        if status == 405 {
+            assert!(response.headers().contains_key("allow"), "{method} {path}");
+        }
+        let body = response.text().await.unwrap();
+        let code = if status == 400 {
+            "invalid_request"
+        } else {
+            "method_not_allowed"
+        };
+        assert!(body.contains(code), "{method} {path}: {body}");
+    }
+    // A wrong method is answered only to a caller with the token.
+    let anonymous = reqwest::Client::new()
+        .delete(format!("{}/api/jobs/1", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status().as_u16(), 401);
+    // `/api/dlq/{id}` shows dead jobs only.
+    let fresh = h
+        .store
+        .job_insert(NewJob::new("noop", b"{}".to_vec()))
+        .await
+        .unwrap()
+        .id;
+    let (status, answer) = api.get(&format!("/api/dlq/{fresh}")).await;
+    assert_eq!(
+        (status, error_code(&answer)),
+        (404, "not_found"),
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not dead") && m.contains("available")),
+        "{answer}"
+    );
+    let (status, _) = api.get(&format!("/api/jobs/{fresh}")).await;
+    assert_eq!(status, 200);
+    h.store.job_cancel(fresh).await.unwrap();
     // Not JSON at all, and a body over the cap.
     let raw = api
         .client
@@ -311,6 +426,8 @@ async fn a_dead_job_is_previewed_then_replayed(backend: Backend) {
     let (_, dlq) = api.get("/api/dlq").await;
     assert_eq!(dlq["by_code"], json!([{"code": "bad_request", "jobs": 1}]));
     assert_eq!(dlq["jobs"][0]["id"], id.0);
+    let (status, dead) = api.get(&format!("/api/dlq/{id}")).await;
+    assert_eq!((status, &dead["state"]), (200, &json!("dead")), "{dead}");
 
     let (status, preview) = api.post("/api/dlq/preview", json!({"ids": [id.0]})).await;
     assert_eq!(status, 200, "{preview}");
