@@ -20,7 +20,10 @@ struct Api {
 
 impl Api {
     async fn start(h: &Harness) -> Api {
-        let state = h.api_state(TOKEN, false);
+        Api::serving(h.api_state(TOKEN, false)).await
+    }
+
+    async fn serving(state: idem::ops::api::ApiState) -> Api {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let server = tokio::spawn(async move {
@@ -637,4 +640,125 @@ async fn a_cookie_alone_cannot_change_anything_from_another_origin() {
         h.store.job_get(id).await.unwrap().unwrap().state,
         JobState::Cancelled
     );
+}
+
+/// Issue 24, item 9: previews asked over HTTP beside a worker that fills
+/// its whole share of the sandbox (`max_instances` equal to the queue's
+/// concurrency, every handler in a plugin that loops to its deadline) still
+/// complete, paced at the preview rate, with at most two plugin runs at
+/// once in the instances kept for them; the worker never finds its pool
+/// full (a deferral would say so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn previews_beside_a_full_worker_are_paced_and_take_none_of_its_instances() {
+    use idem::failure::ErrorClass;
+    use idem::ops::preview::{PREVIEW_SLOTS, PreviewGate};
+    use idem::store::ErrorRecord;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let h = Harness::new(Backend::Sqlite).await;
+    let mut config = idem::config::Config::default();
+    config.sandbox.max_instances = 2;
+    // The pool as `idem run --listen` sizes it; no disk cache in tests.
+    let mut sandbox = idem::cli::plugins::sandbox_config(&config, PREVIEW_SLOTS);
+    sandbox.cache_dir = None;
+    assert_eq!(sandbox.max_instances, 2 + PREVIEW_SLOTS);
+    let sandbox = Arc::new(idem::sandbox::Sandbox::new(sandbox).unwrap());
+    let registry = Arc::new(idem::plugins::PluginRegistry::new(
+        sandbox,
+        h.plugins_dir.path(),
+    ));
+    registry.refresh();
+
+    let dead = |plugin: &str| {
+        let job = NewJob::new(plugin, b"{}".to_vec());
+        let error = ErrorRecord {
+            attempt: 1,
+            class: ErrorClass::Permanent,
+            code: "bad_request".into(),
+            message: "died".into(),
+            at_ms: 0,
+        };
+        (job, error)
+    };
+    let mut noops = Vec::new();
+    for _ in 0..20 {
+        let (job, error) = dead("noop");
+        noops.push(h.store.job_insert_dead(job, error).await.unwrap().0);
+    }
+    let mut loops = Vec::new();
+    for _ in 0..3 {
+        let (job, error) = dead("hostile_loop");
+        loops.push(h.store.job_insert_dead(job, error).await.unwrap().0);
+    }
+    // Work for both handlers for about 3.6 s (300 ms a job).
+    let mut busy = Vec::new();
+    for _ in 0..24 {
+        let mut job = NewJob::new("hostile_loop", b"{}".to_vec());
+        job.max_attempts = 1;
+        busy.push(h.store.job_insert(job).await.unwrap().id);
+    }
+    let mut settings = h.settings("preview-neighbour");
+    settings.queues = std::collections::BTreeMap::from([("default".to_string(), 2)]);
+    let worker =
+        idem::queue::Worker::new(h.store.clone(), registry.clone(), h.providers(), settings);
+    let worker = tokio::spawn(worker.run(tokio_util::sync::CancellationToken::new()));
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while h
+            .store
+            .queue_stats(None)
+            .await
+            .unwrap()
+            .count(JobState::Running)
+            < 2
+        {
+            h.store.wait_for_jobs(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both handlers run a job");
+
+    let mut state = h.api_state(TOKEN, true);
+    state.registry = Some(registry);
+    state.preview = Arc::new(PreviewGate::per_second(10.0).unwrap());
+    let api = Api::serving(state).await;
+    // Twenty quick previews in one request, and three of a plugin that
+    // holds its instance for 300 ms, each in its own request, all at once.
+    let started = Instant::now();
+    let paced = async {
+        let answer = api.post("/api/dlq/preview", json!({"ids": noops})).await;
+        (answer, started.elapsed())
+    };
+    let slow = futures::future::join_all(
+        loops
+            .iter()
+            .map(|id| api.post("/api/dlq/preview", json!({"ids": [id]}))),
+    );
+    let (((status, previews), took), slow) = tokio::join!(paced, slow);
+    assert_eq!(status, 200, "{previews}");
+    assert_eq!(previews["jobs"].as_array().unwrap().len(), 20);
+    for preview in previews["jobs"].as_array().unwrap() {
+        assert!(preview["error"].is_null(), "{preview}");
+    }
+    // Twenty turns of a 10/s pacer: the last one 1.9 s after the first.
+    assert!(took >= Duration::from_millis(1900), "not paced: {took:?}");
+    for (status, preview) in slow {
+        assert_eq!(status, 200, "an instance was free for it: {preview}");
+        assert_eq!(preview["jobs"][0]["error"]["code"], "plugin_timeout");
+    }
+
+    let stats = tokio::time::timeout(Duration::from_secs(60), worker)
+        .await
+        .expect("the worker drains")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        stats.deferred, 0,
+        "the worker found its pool full: {stats:?}"
+    );
+    for id in busy {
+        let job = h.store.job_get(id).await.unwrap().unwrap();
+        assert_eq!(job.last_error_code.as_deref(), Some("plugin_timeout"));
+        assert_eq!(job.attempt, 1);
+    }
 }

@@ -287,7 +287,7 @@ async fn preview(
         .map_err(ops_error)?;
     let more = jobs.len() > request.limit as usize;
     jobs.truncate(request.limit as usize);
-    let previews = crate::ops::preview::preview_jobs(&*store, &registry, &jobs)
+    let previews = crate::ops::preview::preview_jobs(&*store, &registry, &jobs, None)
         .await
         .map_err(ops_error)?;
     if as_json {

@@ -6,6 +6,7 @@ use super::queue::store;
 use crate::config::Config;
 use crate::ops::api::{self, ApiState};
 use crate::ops::auth::Token;
+use crate::ops::preview::PreviewGate;
 use crate::ops::view::{self, JobQuery};
 use crate::plugins::PluginRegistry;
 use crate::providers::Providers;
@@ -27,6 +28,10 @@ pub struct HttpArgs {
     /// Dead jobs replayed per second through the API and the dashboard.
     #[arg(long, default_value = "10/s")]
     pub replay_rate: String,
+    /// Dead jobs previewed per second through the API and the dashboard
+    /// (default: the replay rate); at most two run a plugin at once.
+    #[arg(long)]
+    pub preview_rate: Option<String>,
     /// Serve metrics and the health check only (`idem run --metrics-listen`).
     #[arg(skip)]
     pub metrics_only: bool,
@@ -40,6 +45,7 @@ impl HttpArgs {
             api_token_file: None,
             metrics_open: true,
             replay_rate: "10/s".into(),
+            preview_rate: None,
             metrics_only: true,
         }
     }
@@ -79,6 +85,7 @@ pub fn start(
     let pacer = crate::ops::replay::parse_rate(&args.replay_rate)
         .and_then(crate::ops::replay::Pacer::per_second)
         .map_err(|e| CliError::Usage(format!("--replay-rate: {e}")))?;
+    let preview = preview_gate(args)?;
     let metrics = crate::metrics::install_prometheus().map_err(|e| {
         CliError::Runtime(anyhow::anyhow!("cannot install the metrics recorder: {e}"))
     })?;
@@ -92,6 +99,7 @@ pub fn start(
         replay: Arc::new(pacer),
         default_max_attempts: config.worker.max_attempts,
         worker,
+        preview: Arc::new(preview),
     };
     let addr = listener.local_addr().ok();
     tracing::info!(
@@ -103,6 +111,17 @@ pub fn start(
             tracing::error!(%error, "the HTTP surface stopped");
         }
     }))
+}
+
+/// The gate of replay previews: `--preview-rate`, else `--replay-rate`.
+fn preview_gate(args: &HttpArgs) -> Result<PreviewGate, CliError> {
+    let (flag, rate) = match &args.preview_rate {
+        Some(rate) => ("--preview-rate", rate),
+        None => ("--replay-rate", &args.replay_rate),
+    };
+    crate::ops::replay::parse_rate(rate)
+        .and_then(PreviewGate::per_second)
+        .map_err(|e| CliError::Usage(format!("{flag}: {e}")))
 }
 
 /// Arguments of `idem serve`.

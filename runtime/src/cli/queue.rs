@@ -328,7 +328,14 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
     };
     let providers = Providers::for_store(&config.providers, &config.database_url)
         .map_err(|e| CliError::Usage(e.to_string()))?;
-    let registry = super::plugins::registry(config, plugins_dir)?;
+    // Previews served beside the worker run in instances of their own, so
+    // the worker keeps its `max_instances` whatever the API is asked.
+    let preview_room = if listener.is_some() && !metrics_only {
+        crate::ops::preview::PREVIEW_SLOTS
+    } else {
+        0
+    };
+    let registry = super::plugins::registry_with(config, plugins_dir, preview_room)?;
     if registry.list().is_empty() {
         eprintln!(
             "warning: no plugins loaded from {}; jobs will wait for them",

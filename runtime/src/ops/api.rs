@@ -56,6 +56,9 @@ pub struct ApiState {
     pub default_max_attempts: u32,
     /// Whether a worker runs in this process (`idem run`).
     pub worker: bool,
+    /// Paces replay previews across every request and bounds how many run
+    /// a plugin at once (they share the sandbox with the worker).
+    pub preview: Arc<preview::PreviewGate>,
 }
 
 /// An error answer: a status and `{"error":{"code","message"}}`.
@@ -640,7 +643,8 @@ async fn preview_body(state: &ApiState, body: &ReplayBody) -> ApiResult {
     let mut jobs = selected(&*state.store, &request).await?;
     let more = jobs.len() > MAX_REPLAY as usize;
     jobs.truncate(MAX_REPLAY as usize);
-    let previews = preview::preview_jobs(&*state.store, registry, &jobs).await?;
+    let previews =
+        preview::preview_jobs(&*state.store, registry, &jobs, Some(&state.preview)).await?;
     ok(json!({"dry_run": true, "jobs": previews, "more": more}))
 }
 

@@ -586,11 +586,17 @@ async fn preview_one(
         Ok(None) => return error_page(OpsError::NotFound(format!("no job {id}")).into()),
         Err(e) => return error_page(e.into()),
     };
-    let previews =
-        match preview::preview_jobs(&*state.store, registry, std::slice::from_ref(&job)).await {
-            Ok(p) => p,
-            Err(e) => return error_page(e.into()),
-        };
+    let previews = match preview::preview_jobs(
+        &*state.store,
+        registry,
+        std::slice::from_ref(&job),
+        Some(&state.preview),
+    )
+    .await
+    {
+        Ok(p) => p,
+        Err(e) => return error_page(e.into()),
+    };
     let mut body = format!("<h1>Replay preview of job <a href=\"/ui/jobs/{id}\">{id}</a></h1>");
     for p in &previews {
         let _ = write!(
