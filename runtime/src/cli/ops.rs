@@ -1,8 +1,8 @@
 //! `idem serve`, `idem jobs list|show`, and the HTTP surface that `idem run
 //! --listen` starts beside its worker.
 
-use super::CliError;
 use super::queue::store;
+use super::{CliError, printable};
 use crate::config::Config;
 use crate::ops::api::{self, ApiState};
 use crate::ops::auth::Token;
@@ -255,16 +255,7 @@ pub async fn jobs(config: &Config, command: JobsCommand) -> Result<(), CliError>
                 "ID", "PLUGIN", "QUEUE", "STATE", "ATTEMPTS", "LAST ERROR", "CREATED"
             );
             for job in page["jobs"].as_array().into_iter().flatten() {
-                println!(
-                    "{:>8} {:<22} {:<12} {:<10} {:>8} {:<28} {:<24}",
-                    job["id"],
-                    job["plugin"].as_str().unwrap_or("-"),
-                    job["queue"].as_str().unwrap_or("-"),
-                    job["state"].as_str().unwrap_or("-"),
-                    format!("{}/{}", job["attempt"], job["max_attempts"]),
-                    job["last_error"]["code"].as_str().unwrap_or("-"),
-                    job["created_at"].as_str().unwrap_or("-"),
-                );
+                println!("{}", job_row(job));
             }
             if let Some(next) = page["next_before"].as_i64() {
                 eprintln!("more: --before {next}");
@@ -288,10 +279,29 @@ pub async fn jobs(config: &Config, command: JobsCommand) -> Result<(), CliError>
     }
 }
 
+/// Text of a JSON field as the terminal shows it (`-` when absent).
+fn cell(value: &serde_json::Value) -> String {
+    printable(value.as_str().unwrap_or("-"))
+}
+
+/// One row of `idem jobs list`.
+fn job_row(job: &serde_json::Value) -> String {
+    format!(
+        "{:>8} {:<22} {:<12} {:<10} {:>8} {:<28} {:<24}",
+        job["id"].to_string(),
+        cell(&job["plugin"]),
+        cell(&job["queue"]),
+        cell(&job["state"]),
+        format!("{}/{}", job["attempt"], job["max_attempts"]),
+        cell(&job["last_error"]["code"]),
+        cell(&job["created_at"]),
+    )
+}
+
 /// A job's detail as a terminal timeline.
 pub fn timeline_text(detail: &serde_json::Value) -> String {
     use std::fmt::Write as _;
-    let s = |v: &serde_json::Value| v.as_str().unwrap_or("-").to_string();
+    let s = cell;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -336,7 +346,7 @@ pub fn timeline_text(detail: &serde_json::Value) -> String {
             s(&e["result_ref"]),
             e["last_error_code"]
                 .as_str()
-                .map(|c| format!("  last error {c}"))
+                .map(|c| format!("  last error {}", printable(c)))
                 .unwrap_or_default()
         );
     }
