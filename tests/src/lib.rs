@@ -240,6 +240,7 @@ impl Harness {
             replay: Arc::new(idem::ops::replay::Pacer::per_second(1000.0).expect("rate")),
             default_max_attempts: 5,
             worker,
+            preview: Arc::new(idem::ops::preview::PreviewGate::per_second(1000.0).expect("rate")),
         }
     }
 

@@ -20,7 +20,10 @@ struct Api {
 
 impl Api {
     async fn start(h: &Harness) -> Api {
-        let state = h.api_state(TOKEN, false);
+        Api::serving(h.api_state(TOKEN, false)).await
+    }
+
+    async fn serving(state: idem::ops::api::ApiState) -> Api {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let server = tokio::spawn(async move {
@@ -246,6 +249,35 @@ async fn bad_requests_get_clear_json_errors(backend: Backend) {
             "invalid_request",
         ),
         ("GET", "/api/nothing-here", None, 404, "not_found"),
+        // Issue 24, item 7: a path that does not decode, on every `{id}`
+        // route, and a method a route does not take.
+        ("GET", "/api/jobs/%FF", None, 400, "invalid_request"),
+        ("POST", "/api/jobs/%FF/cancel", None, 400, "invalid_request"),
+        ("GET", "/api/dlq/%FF", None, 400, "invalid_request"),
+        ("DELETE", "/api/jobs/1", None, 405, "method_not_allowed"),
+        ("PUT", "/api/dlq/replay", None, 405, "method_not_allowed"),
+        // Issue 24, item 6: bounded ids, no control characters.
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "correlation_id": "c".repeat(3 << 20)})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "queue": "a\nb"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "\u{1b}[2J"})),
+            400,
+            "invalid_request",
+        ),
     ];
     for (method, path, body, status, code) in cases {
         let (got, answer) = api.call(method, path, body).await;
@@ -260,6 +292,92 @@ async fn bad_requests_get_clear_json_errors(backend: Backend) {
                 .is_some_and(|m| !m.is_empty())
         );
     }
+    // Each refusal names the field, and a batch the job.
+    let refusals = [
+        (
+            json!({"plugin": "noop", "correlation_id": "c".repeat(3 << 20)}),
+            "correlation id",
+        ),
+        (json!({"plugin": "noop", "queue": "a\nb"}), "queue"),
+        (json!({"plugin": "\u{1b}[2J"}), "plugin"),
+    ];
+    for (job, field) in refusals {
+        let (_, single) = api.post("/api/jobs", job.clone()).await;
+        let message = single["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains(field), "{field}: {message}");
+        assert!(message.len() < 1024, "the value is not echoed whole");
+        let batch = json!({"jobs": [{"plugin": "noop"}, job]});
+        let (status, answer) = api.post("/api/jobs/batch", batch).await;
+        assert_eq!((status, error_code(&answer)), (400, "invalid_request"));
+        let message = answer["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            message.starts_with("jobs[1]: ") && message.contains(field),
+            "{field}: {message}"
+        );
+    }
+    // The undecodable path is JSON (not axum's text/plain), a wrong method
+    // says which ones it takes, and the dashboard answers with its page.
+    for (method, path, status, content_type) in [
+        ("GET", "/api/jobs/%FF", 400, "application/json"),
+        ("DELETE", "/api/jobs/1", 405, "application/json"),
+        ("GET", "/ui/jobs/%FF", 400, "text/html"),
+        ("POST", "/ui/dlq/%FF/preview", 400, "text/html"),
+        ("POST", "/ui/dlq/%FF/replay", 400, "text/html"),
+        ("DELETE", "/ui/jobs/1", 405, "text/html"),
+    ] {
+        let response = api
+            .client
+            .request(method.parse().unwrap(), format!("{}{path}", api.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), status, "{method} {path}");
+        let got = response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(got.starts_with(content_type), "{method} {path}: {got}");
+        if status == 405 {
+            assert!(response.headers().contains_key("allow"), "{method} {path}");
+        }
+        let body = response.text().await.unwrap();
+        let code = if status == 400 {
+            "invalid_request"
+        } else {
+            "method_not_allowed"
+        };
+        assert!(body.contains(code), "{method} {path}: {body}");
+    }
+    // A wrong method is answered only to a caller with the token.
+    let anonymous = reqwest::Client::new()
+        .delete(format!("{}/api/jobs/1", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status().as_u16(), 401);
+    // `/api/dlq/{id}` shows dead jobs only.
+    let fresh = h
+        .store
+        .job_insert(NewJob::new("noop", b"{}".to_vec()))
+        .await
+        .unwrap()
+        .id;
+    let (status, answer) = api.get(&format!("/api/dlq/{fresh}")).await;
+    assert_eq!(
+        (status, error_code(&answer)),
+        (404, "not_found"),
+        "{answer}"
+    );
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not dead") && m.contains("available")),
+        "{answer}"
+    );
+    let (status, _) = api.get(&format!("/api/jobs/{fresh}")).await;
+    assert_eq!(status, 200);
+    h.store.job_cancel(fresh).await.unwrap();
     // Not JSON at all, and a body over the cap.
     let raw = api
         .client
@@ -311,6 +429,8 @@ async fn a_dead_job_is_previewed_then_replayed(backend: Backend) {
     let (_, dlq) = api.get("/api/dlq").await;
     assert_eq!(dlq["by_code"], json!([{"code": "bad_request", "jobs": 1}]));
     assert_eq!(dlq["jobs"][0]["id"], id.0);
+    let (status, dead) = api.get(&format!("/api/dlq/{id}")).await;
+    assert_eq!((status, &dead["state"]), (200, &json!("dead")), "{dead}");
 
     let (status, preview) = api.post("/api/dlq/preview", json!({"ids": [id.0]})).await;
     assert_eq!(status, 200, "{preview}");
@@ -597,5 +717,126 @@ async fn every_answer_carries_the_security_headers() {
                 "the overview loads its live counters"
             );
         }
+    }
+}
+
+/// Issue 24, item 9: previews asked over HTTP beside a worker that fills
+/// its whole share of the sandbox (`max_instances` equal to the queue's
+/// concurrency, every handler in a plugin that loops to its deadline) still
+/// complete, paced at the preview rate, with at most two plugin runs at
+/// once in the instances kept for them; the worker never finds its pool
+/// full (a deferral would say so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn previews_beside_a_full_worker_are_paced_and_take_none_of_its_instances() {
+    use idem::failure::ErrorClass;
+    use idem::ops::preview::{PREVIEW_SLOTS, PreviewGate};
+    use idem::store::ErrorRecord;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let h = Harness::new(Backend::Sqlite).await;
+    let mut config = idem::config::Config::default();
+    config.sandbox.max_instances = 2;
+    // The pool as `idem run --listen` sizes it; no disk cache in tests.
+    let mut sandbox = idem::cli::plugins::sandbox_config(&config, PREVIEW_SLOTS);
+    sandbox.cache_dir = None;
+    assert_eq!(sandbox.max_instances, 2 + PREVIEW_SLOTS);
+    let sandbox = Arc::new(idem::sandbox::Sandbox::new(sandbox).unwrap());
+    let registry = Arc::new(idem::plugins::PluginRegistry::new(
+        sandbox,
+        h.plugins_dir.path(),
+    ));
+    registry.refresh();
+
+    let dead = |plugin: &str| {
+        let job = NewJob::new(plugin, b"{}".to_vec());
+        let error = ErrorRecord {
+            attempt: 1,
+            class: ErrorClass::Permanent,
+            code: "bad_request".into(),
+            message: "died".into(),
+            at_ms: 0,
+        };
+        (job, error)
+    };
+    let mut noops = Vec::new();
+    for _ in 0..20 {
+        let (job, error) = dead("noop");
+        noops.push(h.store.job_insert_dead(job, error).await.unwrap().0);
+    }
+    let mut loops = Vec::new();
+    for _ in 0..3 {
+        let (job, error) = dead("hostile_loop");
+        loops.push(h.store.job_insert_dead(job, error).await.unwrap().0);
+    }
+    // Work for both handlers for about 3.6 s (300 ms a job).
+    let mut busy = Vec::new();
+    for _ in 0..24 {
+        let mut job = NewJob::new("hostile_loop", b"{}".to_vec());
+        job.max_attempts = 1;
+        busy.push(h.store.job_insert(job).await.unwrap().id);
+    }
+    let mut settings = h.settings("preview-neighbour");
+    settings.queues = std::collections::BTreeMap::from([("default".to_string(), 2)]);
+    let worker =
+        idem::queue::Worker::new(h.store.clone(), registry.clone(), h.providers(), settings);
+    let worker = tokio::spawn(worker.run(tokio_util::sync::CancellationToken::new()));
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while h
+            .store
+            .queue_stats(None)
+            .await
+            .unwrap()
+            .count(JobState::Running)
+            < 2
+        {
+            h.store.wait_for_jobs(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both handlers run a job");
+
+    let mut state = h.api_state(TOKEN, true);
+    state.registry = Some(registry);
+    state.preview = Arc::new(PreviewGate::per_second(10.0).unwrap());
+    let api = Api::serving(state).await;
+    // Twenty quick previews in one request, and three of a plugin that
+    // holds its instance for 300 ms, each in its own request, all at once.
+    let started = Instant::now();
+    let paced = async {
+        let answer = api.post("/api/dlq/preview", json!({"ids": noops})).await;
+        (answer, started.elapsed())
+    };
+    let slow = futures::future::join_all(
+        loops
+            .iter()
+            .map(|id| api.post("/api/dlq/preview", json!({"ids": [id]}))),
+    );
+    let (((status, previews), took), slow) = tokio::join!(paced, slow);
+    assert_eq!(status, 200, "{previews}");
+    assert_eq!(previews["jobs"].as_array().unwrap().len(), 20);
+    for preview in previews["jobs"].as_array().unwrap() {
+        assert!(preview["error"].is_null(), "{preview}");
+    }
+    // Twenty turns of a 10/s pacer: the last one 1.9 s after the first.
+    assert!(took >= Duration::from_millis(1900), "not paced: {took:?}");
+    for (status, preview) in slow {
+        assert_eq!(status, 200, "an instance was free for it: {preview}");
+        assert_eq!(preview["jobs"][0]["error"]["code"], "plugin_timeout");
+    }
+
+    let stats = tokio::time::timeout(Duration::from_secs(60), worker)
+        .await
+        .expect("the worker drains")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        stats.deferred, 0,
+        "the worker found its pool full: {stats:?}"
+    );
+    for id in busy {
+        let job = h.store.job_get(id).await.unwrap().unwrap();
+        assert_eq!(job.last_error_code.as_deref(), Some("plugin_timeout"));
+        assert_eq!(job.attempt, 1);
     }
 }

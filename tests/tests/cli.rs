@@ -994,3 +994,125 @@ fn dlq_replay_dry_run_shows_the_fixed_plugins_plan() {
     let listed = ok(&idem(&["jobs", "list", "--state", "dead"]));
     assert!(listed.contains("plugin_panic"), "{listed}");
 }
+
+/// Issue 24, item 6: a correlation id over 255 bytes, a queue holding a
+/// newline and a plugin holding an ANSI escape are each refused by `idem
+/// enqueue` (exit 2, naming the field) before anything connects, on the
+/// single and the batch path.
+#[test]
+fn enqueue_refuses_control_characters_and_oversized_ids_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &[
+                "enqueue",
+                "noop",
+                "--payload",
+                "{}",
+                "--correlation-id",
+                "a\nb",
+            ],
+            "correlation id",
+        ),
+        (
+            &["enqueue", "noop", "--payload", "{}", "--queue", "a\nb"],
+            "queue name",
+        ),
+        (&["enqueue", "\u{1b}[2J", "--payload", "{}"], "plugin name"),
+        (
+            &[
+                "enqueue",
+                "noop",
+                "--payload",
+                "{}",
+                "--correlation-id",
+                &"c".repeat(256),
+            ],
+            "correlation id",
+        ),
+    ];
+    for (args, field) in cases {
+        let out = idem_in(dir.path(), args, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(field), "{args:?} names {field}: {stderr}");
+        assert!(
+            !stderr.contains('\u{1b}'),
+            "the refusal is printed escaped: {stderr:?}"
+        );
+    }
+    assert!(
+        !dir.path().join("idem.db").exists(),
+        "refused before the store was opened"
+    );
+    // Three megabytes in a batch line (an argument cannot be that long).
+    let batch = dir.path().join("jobs.ndjson");
+    let line = serde_json::json!({"payload": {}, "correlation_id": "x".repeat(3 << 20)});
+    std::fs::write(&batch, format!("{{\"payload\": {{}}}}\n{line}\n")).unwrap();
+    let out = idem_in(
+        dir.path(),
+        &["enqueue", "noop", "--batch", batch.to_str().unwrap()],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--batch line 2") && stderr.contains("correlation id"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.len() < 4096,
+        "the id is not echoed whole: {} bytes",
+        stderr.len()
+    );
+}
+
+/// Issue 24, item 6: rows stored before the input checks existed are
+/// printed with their control characters escaped by `idem jobs list`,
+/// `idem jobs show` and `idem dlq list`: no ANSI escape reaches the
+/// terminal and no newline forges a row.
+#[test]
+fn stored_control_characters_are_printed_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let id = ok(&idem_in(
+        dir.path(),
+        &["enqueue", "noop", "--payload", "{}"],
+        &[],
+    ));
+    let id = id.trim().to_string();
+    let hostile = "x\u{1b}[2J\nforged";
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        use sqlx::Connection;
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let mut conn = sqlx::SqliteConnection::connect(&url).await.unwrap();
+        sqlx::query(
+            "UPDATE jobs SET state = 'dead', queue = ?1, plugin = ?1, correlation_id = ?1, \
+             idempotency_key = ?1, last_error_code = ?1, last_error_message = ?1, \
+             finished_at = updated_at, last_failed_at = updated_at",
+        )
+        .bind(hostile)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    });
+    for args in [
+        vec!["jobs", "list"],
+        vec!["jobs", "show", id.as_str()],
+        vec!["dlq", "list"],
+    ] {
+        let out = ok(&idem_in(dir.path(), &args, &[]));
+        assert!(
+            !out.contains('\u{1b}'),
+            "{args:?} prints a raw escape: {out:?}"
+        );
+        assert!(
+            !out.lines().any(|l| l.starts_with("forged")),
+            "{args:?} lets a stored newline start a line: {out}"
+        );
+        assert!(
+            out.contains("x\\u{1b}[2J\\nforged"),
+            "{args:?} shows the value escaped: {out}"
+        );
+    }
+}

@@ -653,3 +653,51 @@ async fn a_key_too_long_once_prefixed_is_dead_on_arrival_and_its_batch_goes_in()
         assert_eq!(jobs(&store, JobState::Dead).await.len(), 1);
     }
 }
+
+/// Issue 24, item 6: a message whose key (the job's key and its
+/// correlation id) is 3 MB long, or holds a newline or an ANSI escape, is
+/// kept dead on arrival, classified, on either source's key rule (AMQP's
+/// message id, NATS's header); its batch goes in, and nothing stored holds
+/// the raw text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_with_control_characters_or_megabytes_is_dead_on_arrival() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let h = Harness::new(backend).await;
+        let store: Arc<dyn Store> = h.store.clone();
+        let bad_keys = ["k".repeat(3 << 20), "a\nb".into(), "\u{1b}[2J".into()];
+        for config in [amqp_source(AMQP, "unused"), nats_source(NATS, "unused")] {
+            let source = Source::new(config, 5).unwrap();
+            let message = |key: &str| idem::sources::Incoming {
+                payload: format!(r#"{{"order_id": {}}}"#, key.len()).into_bytes(),
+                message_id: Some(key.to_string()),
+                headers: vec![("Order-Id".into(), key.to_string())],
+            };
+            let good = format!("order-{}", source.name);
+            let mut batch: Vec<_> = bad_keys.iter().map(|k| message(k)).collect();
+            batch.push(message(&good));
+            let ingested = idem::sources::ingest(&*store, &source, &batch)
+                .await
+                .expect("the batch goes in");
+            assert_eq!(
+                (ingested.inserted, ingested.dead_on_arrival),
+                (1, bad_keys.len()),
+                "{}",
+                source.name
+            );
+        }
+        let dead = jobs(&store, JobState::Dead).await;
+        assert_eq!(dead.len(), 2 * bad_keys.len());
+        for job in &dead {
+            assert_eq!(job.last_error_code.as_deref(), Some("message_key_invalid"));
+            let message = job.last_error_message.as_deref().unwrap_or("");
+            for text in [message, &job.correlation_id] {
+                assert!(
+                    text.len() <= 2048 && !text.chars().any(|c| c == '\u{1b}'),
+                    "stored raw: {text:?}"
+                );
+            }
+            assert!(idem::boundary::correlation_id(&job.correlation_id).is_ok());
+        }
+        assert_eq!(jobs(&store, JobState::Available).await.len(), 2);
+    }
+}

@@ -1,7 +1,7 @@
 //! `idem dlq list|show|replay`: the dead-letter queue is a quarantine, not a bin.
 
-use super::CliError;
 use super::queue::store;
+use super::{CliError, printable};
 use crate::config::Config;
 use crate::store::{Job, JobFilter, JobId, JobState};
 use serde_json::json;
@@ -118,10 +118,10 @@ async fn list(
         println!(
             "{:>8} {:<22} {:<28} {:>8} {:<36} {:<20}",
             job.id,
-            job.plugin,
-            job.last_error_code.as_deref().unwrap_or("-"),
+            printable(&job.plugin),
+            printable(job.last_error_code.as_deref().unwrap_or("-")),
             format!("{}/{}", job.attempt, job.max_attempts),
-            job.idempotency_key.as_deref().unwrap_or("-"),
+            printable(job.idempotency_key.as_deref().unwrap_or("-")),
             job.last_failed_at_ms
                 .map(time)
                 .unwrap_or_else(|| "-".into()),
@@ -287,7 +287,7 @@ async fn preview(
         .map_err(ops_error)?;
     let more = jobs.len() > request.limit as usize;
     jobs.truncate(request.limit as usize);
-    let previews = crate::ops::preview::preview_jobs(&*store, &registry, &jobs)
+    let previews = crate::ops::preview::preview_jobs(&*store, &registry, &jobs, None)
         .await
         .map_err(ops_error)?;
     if as_json {
@@ -310,9 +310,9 @@ async fn preview(
         println!(
             "job {} ({}, died {}): {}",
             p.id,
-            p.plugin,
-            p.code.as_deref().unwrap_or("-"),
-            p.verdict
+            printable(&p.plugin),
+            printable(p.code.as_deref().unwrap_or("-")),
+            printable(&p.verdict)
         );
         println!(
             "  plugin then {}  now {}",
@@ -322,20 +322,22 @@ async fn preview(
         if let Some(error) = &p.error {
             println!(
                 "  the current plugin fails: {} ({}) {}",
-                error.code, error.class, error.message
+                printable(&error.code),
+                error.class,
+                printable(&error.message)
             );
         }
         for k in &p.keys {
             println!(
                 "  {:<8} {:<48} {:<12} {:<8} ledger {}{}",
                 k.change,
-                k.key,
-                k.provider,
+                printable(&k.key),
+                printable(&k.provider),
                 k.action,
-                k.ledger,
+                printable(&k.ledger),
                 k.result_ref
                     .as_deref()
-                    .map(|r| format!(" ({r})"))
+                    .map(|r| format!(" ({})", printable(r)))
                     .unwrap_or_default()
             );
         }

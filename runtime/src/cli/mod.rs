@@ -49,6 +49,19 @@ pub enum CliError {
     Runtime(#[from] anyhow::Error),
 }
 
+/// Most bytes of one stored value printed to the terminal.
+const PRINTED_MAX: usize = crate::boundary::MAX_MESSAGE;
+
+/// A stored value (a name, an id, a message) as the command line prints it:
+/// control characters written as escapes, so a row stored before the input
+/// checks existed can neither forge a line nor move the terminal; cut to
+/// [`PRINTED_MAX`] bytes.
+///
+/// `assert_eq!(printable("a\u{1b}[2J"), "a\\u{1b}[2J");`
+pub fn printable(text: &str) -> String {
+    crate::boundary::log_line(text, PRINTED_MAX)
+}
+
 impl CliError {
     /// The process exit code.
     pub fn exit_code(&self) -> i32 {

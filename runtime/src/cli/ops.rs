@@ -1,11 +1,12 @@
 //! `idem serve`, `idem jobs list|show`, and the HTTP surface that `idem run
 //! --listen` starts beside its worker.
 
-use super::CliError;
 use super::queue::store;
+use super::{CliError, printable};
 use crate::config::Config;
 use crate::ops::api::{self, ApiState};
 use crate::ops::auth::Token;
+use crate::ops::preview::PreviewGate;
 use crate::ops::view::{self, JobQuery};
 use crate::plugins::PluginRegistry;
 use crate::providers::Providers;
@@ -27,6 +28,10 @@ pub struct HttpArgs {
     /// Dead jobs replayed per second through the API and the dashboard.
     #[arg(long, default_value = "10/s")]
     pub replay_rate: String,
+    /// Dead jobs previewed per second through the API and the dashboard
+    /// (default: the replay rate); at most two run a plugin at once.
+    #[arg(long)]
+    pub preview_rate: Option<String>,
     /// Serve metrics and the health check only (`idem run --metrics-listen`).
     #[arg(skip)]
     pub metrics_only: bool,
@@ -40,6 +45,7 @@ impl HttpArgs {
             api_token_file: None,
             metrics_open: true,
             replay_rate: "10/s".into(),
+            preview_rate: None,
             metrics_only: true,
         }
     }
@@ -79,6 +85,7 @@ pub fn start(
     let pacer = crate::ops::replay::parse_rate(&args.replay_rate)
         .and_then(crate::ops::replay::Pacer::per_second)
         .map_err(|e| CliError::Usage(format!("--replay-rate: {e}")))?;
+    let preview = preview_gate(args)?;
     let metrics = crate::metrics::install_prometheus().map_err(|e| {
         CliError::Runtime(anyhow::anyhow!("cannot install the metrics recorder: {e}"))
     })?;
@@ -92,6 +99,7 @@ pub fn start(
         replay: Arc::new(pacer),
         default_max_attempts: config.worker.max_attempts,
         worker,
+        preview: Arc::new(preview),
     };
     let addr = listener.local_addr().ok();
     tracing::info!(
@@ -103,6 +111,17 @@ pub fn start(
             tracing::error!(%error, "the HTTP surface stopped");
         }
     }))
+}
+
+/// The gate of replay previews: `--preview-rate`, else `--replay-rate`.
+fn preview_gate(args: &HttpArgs) -> Result<PreviewGate, CliError> {
+    let (flag, rate) = match &args.preview_rate {
+        Some(rate) => ("--preview-rate", rate),
+        None => ("--replay-rate", &args.replay_rate),
+    };
+    crate::ops::replay::parse_rate(rate)
+        .and_then(PreviewGate::per_second)
+        .map_err(|e| CliError::Usage(format!("{flag}: {e}")))
 }
 
 /// Arguments of `idem serve`.
@@ -236,16 +255,7 @@ pub async fn jobs(config: &Config, command: JobsCommand) -> Result<(), CliError>
                 "ID", "PLUGIN", "QUEUE", "STATE", "ATTEMPTS", "LAST ERROR", "CREATED"
             );
             for job in page["jobs"].as_array().into_iter().flatten() {
-                println!(
-                    "{:>8} {:<22} {:<12} {:<10} {:>8} {:<28} {:<24}",
-                    job["id"],
-                    job["plugin"].as_str().unwrap_or("-"),
-                    job["queue"].as_str().unwrap_or("-"),
-                    job["state"].as_str().unwrap_or("-"),
-                    format!("{}/{}", job["attempt"], job["max_attempts"]),
-                    job["last_error"]["code"].as_str().unwrap_or("-"),
-                    job["created_at"].as_str().unwrap_or("-"),
-                );
+                println!("{}", job_row(job));
             }
             if let Some(next) = page["next_before"].as_i64() {
                 eprintln!("more: --before {next}");
@@ -269,10 +279,29 @@ pub async fn jobs(config: &Config, command: JobsCommand) -> Result<(), CliError>
     }
 }
 
+/// Text of a JSON field as the terminal shows it (`-` when absent).
+fn cell(value: &serde_json::Value) -> String {
+    printable(value.as_str().unwrap_or("-"))
+}
+
+/// One row of `idem jobs list`.
+fn job_row(job: &serde_json::Value) -> String {
+    format!(
+        "{:>8} {:<22} {:<12} {:<10} {:>8} {:<28} {:<24}",
+        job["id"].to_string(),
+        cell(&job["plugin"]),
+        cell(&job["queue"]),
+        cell(&job["state"]),
+        format!("{}/{}", job["attempt"], job["max_attempts"]),
+        cell(&job["last_error"]["code"]),
+        cell(&job["created_at"]),
+    )
+}
+
 /// A job's detail as a terminal timeline.
 pub fn timeline_text(detail: &serde_json::Value) -> String {
     use std::fmt::Write as _;
-    let s = |v: &serde_json::Value| v.as_str().unwrap_or("-").to_string();
+    let s = cell;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -317,7 +346,7 @@ pub fn timeline_text(detail: &serde_json::Value) -> String {
             s(&e["result_ref"]),
             e["last_error_code"]
                 .as_str()
-                .map(|c| format!("  last error {c}"))
+                .map(|c| format!("  last error {}", printable(c)))
                 .unwrap_or_default()
         );
     }

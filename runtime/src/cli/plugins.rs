@@ -12,32 +12,59 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
 
-/// The sandbox the CLI uses, with the configured component cache.
-pub fn sandbox(config: &Config) -> Result<Arc<Sandbox>, CliError> {
-    let sandbox = Sandbox::new(SandboxConfig {
+/// The sandbox settings of the configuration, with `extra_instances` in
+/// the pool beyond `[sandbox] max_instances` (the worker's share): room for
+/// replay previews beside a worker
+/// ([`PREVIEW_SLOTS`](crate::ops::preview::PREVIEW_SLOTS)).
+///
+/// `let settings = sandbox_config(&config, PREVIEW_SLOTS);`
+pub fn sandbox_config(config: &Config, extra_instances: u32) -> SandboxConfig {
+    SandboxConfig {
         cache_dir: config
             .cache_dir
             .clone()
             .or_else(crate::sandbox::default_cache_dir),
         fuel: config.sandbox.fuel,
         pooling: config.sandbox.pooling,
-        max_instances: config.sandbox.max_instances,
+        max_instances: config.sandbox.max_instances.saturating_add(extra_instances),
         max_memory: (config.sandbox.max_memory_mib as usize).saturating_mul(1 << 20),
         ..SandboxConfig::default()
-    })
-    .map_err(|e| CliError::Runtime(e.into()))?;
+    }
+}
+
+/// The sandbox the CLI uses, with the configured component cache.
+pub fn sandbox(config: &Config) -> Result<Arc<Sandbox>, CliError> {
+    sandbox_with(config, 0)
+}
+
+fn sandbox_with(config: &Config, extra_instances: u32) -> Result<Arc<Sandbox>, CliError> {
+    let sandbox = Sandbox::new(sandbox_config(config, extra_instances))
+        .map_err(|e| CliError::Runtime(e.into()))?;
     Ok(Arc::new(sandbox))
 }
 
 /// Loads the plugins folder, printing files that failed to stderr.
 pub fn registry(config: &Config, dir: &Path) -> Result<Arc<PluginRegistry>, CliError> {
+    registry_with(config, dir, 0)
+}
+
+/// [`registry`] over a pool `extra_instances` above the configured one
+/// (`idem run --listen`: the previews' share).
+pub fn registry_with(
+    config: &Config,
+    dir: &Path,
+    extra_instances: u32,
+) -> Result<Arc<PluginRegistry>, CliError> {
     if !dir.is_dir() {
         return Err(CliError::Usage(format!(
             "the plugins folder {} does not exist: build plugins with `cargo build --release --target wasm32-wasip2` and copy the .wasm files there, or pass --plugins-dir",
             dir.display()
         )));
     }
-    let registry = Arc::new(PluginRegistry::new(sandbox(config)?, dir));
+    let registry = Arc::new(PluginRegistry::new(
+        sandbox_with(config, extra_instances)?,
+        dir,
+    ));
     for (path, why) in registry.refresh().errors {
         eprintln!("warning: {} not loaded: {why}", path.display());
     }

@@ -160,27 +160,30 @@ pub async fn enqueue(
     if let Some(key) = &args.key {
         idem_sdk::key::validate(key).map_err(|e| CliError::Usage(format!("--key: {e}")))?;
     }
+    // The plugin's name becomes a file name below: checked first.
+    crate::boundary::name(&plugin)
+        .map_err(|r| CliError::Usage(format!("plugin name: {} {}", r.shown, r.why)))?;
     let manifest_attempts = manifest_attempts(plugins_dir, &plugin);
+    let job = NewJob {
+        queue: args.queue,
+        plugin,
+        payload: payload.into_bytes(),
+        idempotency_key: args.key,
+        priority: args.priority,
+        delay: args.delay.unwrap_or_default(),
+        max_attempts: args
+            .max_attempts
+            .or(manifest_attempts)
+            .unwrap_or(config.worker.max_attempts),
+        correlation_id: args.correlation_id,
+    };
+    // Refused before anything connects (or creates a database file).
+    crate::store::check_new_job(&job).map_err(|e| CliError::Usage(e.to_string()))?;
     let store = store(config).await?;
-    let enqueued = store
-        .job_insert(NewJob {
-            queue: args.queue,
-            plugin,
-            payload: payload.into_bytes(),
-            idempotency_key: args.key,
-            priority: args.priority,
-            delay: args.delay.unwrap_or_default(),
-            max_attempts: args
-                .max_attempts
-                .or(manifest_attempts)
-                .unwrap_or(config.worker.max_attempts),
-            correlation_id: args.correlation_id,
-        })
-        .await
-        .map_err(|e| match e {
-            crate::store::StoreError::Invalid(why) => CliError::Usage(why),
-            other => CliError::Runtime(other.into()),
-        })?;
+    let enqueued = store.job_insert(job).await.map_err(|e| match e {
+        crate::store::StoreError::Invalid(why) => CliError::Usage(why),
+        other => CliError::Runtime(other.into()),
+    })?;
     if !enqueued.inserted {
         eprintln!("a job with this key exists already: job {}", enqueued.id);
     }
@@ -247,6 +250,8 @@ async fn enqueue_batch(
         if let Some(key) = &parsed.key {
             idem_sdk::key::validate(key).map_err(|e| at(format!("key: {e}")))?;
         }
+        crate::boundary::name(&plugin)
+            .map_err(|r| at(format!("plugin name: {} {}", r.shown, r.why)))?;
         let manifest = *attempts
             .entry(plugin.clone())
             .or_insert_with(|| manifest_attempts(plugins_dir, &plugin));
@@ -328,7 +333,14 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
     };
     let providers = Providers::for_store(&config.providers, &config.database_url)
         .map_err(|e| CliError::Usage(e.to_string()))?;
-    let registry = super::plugins::registry(config, plugins_dir)?;
+    // Previews served beside the worker run in instances of their own, so
+    // the worker keeps its `max_instances` whatever the API is asked.
+    let preview_room = if listener.is_some() && !metrics_only {
+        crate::ops::preview::PREVIEW_SLOTS
+    } else {
+        0
+    };
+    let registry = super::plugins::registry_with(config, plugins_dir, preview_room)?;
     if registry.list().is_empty() {
         eprintln!(
             "warning: no plugins loaded from {}; jobs will wait for them",

@@ -15,9 +15,9 @@ use crate::plugins::PluginRegistry;
 use crate::providers::Providers;
 use crate::store::{JobId, JobState, NewJob, Store};
 use axum::Router;
-use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{StatusCode, Uri, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -56,6 +56,9 @@ pub struct ApiState {
     pub default_max_attempts: u32,
     /// Whether a worker runs in this process (`idem run`).
     pub worker: bool,
+    /// Paces replay previews across every request and bounds how many run
+    /// a plugin at once (they share the sandbox with the worker).
+    pub preview: Arc<preview::PreviewGate>,
 }
 
 /// An error answer: a status and `{"error":{"code","message"}}`.
@@ -129,6 +132,14 @@ impl From<QueryRejection> for ApiError {
     }
 }
 
+/// A path that does not decode (`%FF` is not UTF-8) is the caller's error,
+/// answered in the API's JSON shape like every other one.
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        ApiError::bad_request(format!("the path is not usable: {}", rejection.body_text()))
+    }
+}
+
 type ApiResult = Result<Response, ApiError>;
 
 fn ok(value: Value) -> ApiResult {
@@ -174,11 +185,14 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/jobs/{id}", get(show_job))
         .route("/api/jobs/{id}/cancel", post(cancel))
         .route("/api/dlq", get(dead_letters))
-        .route("/api/dlq/{id}", get(show_job))
+        .route("/api/dlq/{id}", get(show_dead))
         .route("/api/dlq/replay", post(replay_dead))
         .route("/api/dlq/preview", post(preview_dead))
         .route("/api/{*rest}", get(not_found).post(not_found))
         .merge(super::ui::routes())
+        // Set before the token layer, so a wrong method is still answered
+        // only to a caller with the token.
+        .method_not_allowed_fallback(method_not_allowed)
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     let metrics = Router::new().route("/metrics", get(prometheus));
     let metrics = if state.metrics_open || state.token.is_none() {
@@ -192,6 +206,7 @@ pub fn router(state: ApiState) -> Router {
         .merge(super::ui::public_routes())
         .merge(api)
         .merge(metrics)
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         // Outermost, so every answer gets them: errors, fallbacks, redirects.
@@ -246,6 +261,21 @@ async fn require_token(State(state): State<ApiState>, request: Request, next: Ne
 
 async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+}
+
+/// A route asked with a method it does not take: the JSON error (axum adds
+/// the `Allow` header), or the error page under `/ui`.
+async fn method_not_allowed(uri: Uri) -> Response {
+    let error = ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{} does not take this method (see Allow)", uri.path()),
+    );
+    if uri.path().starts_with("/ui") {
+        super::ui::error_page(error)
+    } else {
+        error.into_response()
+    }
 }
 
 async fn healthz(State(state): State<ApiState>) -> Response {
@@ -360,12 +390,46 @@ fn job_id(text: &str) -> Result<JobId, ApiError> {
         .ok_or_else(|| ApiError::bad_request(format!("not a job id: {text:?}")))
 }
 
-async fn show_job(State(state): State<ApiState>, Path(id): Path<String>) -> ApiResult {
-    ok(view::job_detail(&*state.store, job_id(&id)?).await?)
+/// The job id of a `{id}` route: a path that does not decode and an id
+/// that is not a positive integer are both 400 `invalid_request`.
+fn path_job_id(path: Result<Path<String>, PathRejection>) -> Result<JobId, ApiError> {
+    let Path(text) = path?;
+    job_id(&text)
 }
 
-async fn cancel(State(state): State<ApiState>, Path(id): Path<String>) -> ApiResult {
-    let id = job_id(&id)?;
+async fn show_job(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> ApiResult {
+    ok(view::job_detail(&*state.store, path_job_id(path)?).await?)
+}
+
+/// `GET /api/dlq/{id}`: the job only while it is dead, so the dead-letter
+/// queue's own route never shows a job that is not in it.
+async fn show_dead(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> ApiResult {
+    let id = path_job_id(path)?;
+    let detail = view::job_detail(&*state.store, id).await?;
+    if detail["state"] != "dead" {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!(
+                "job {id} is not dead (it is {}): GET /api/jobs/{id} shows it",
+                detail["state"].as_str().unwrap_or("in no known state")
+            ),
+        ));
+    }
+    ok(detail)
+}
+
+async fn cancel(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> ApiResult {
+    let id = path_job_id(path)?;
     if state.store.job_get(id).await?.is_none() {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -581,7 +645,8 @@ async fn preview_body(state: &ApiState, body: &ReplayBody) -> ApiResult {
     let mut jobs = selected(&*state.store, &request).await?;
     let more = jobs.len() > MAX_REPLAY as usize;
     jobs.truncate(MAX_REPLAY as usize);
-    let previews = preview::preview_jobs(&*state.store, registry, &jobs).await?;
+    let previews =
+        preview::preview_jobs(&*state.store, registry, &jobs, Some(&state.preview)).await?;
     ok(json!({"dry_run": true, "jobs": previews, "more": more}))
 }
 

@@ -2,8 +2,15 @@
 //! the sandbox, and its plan is shown next to the stored one, key by key,
 //! with what the ledger says already happened. Nothing is stored, claimed
 //! or sent: the safe way to check a fix before replaying thousands of jobs.
+//!
+//! Served over HTTP, previews share the process with a worker: a
+//! [`PreviewGate`] paces them (like replays) and lets at most
+//! [`PREVIEW_SLOTS`] run a plugin at once, and `idem run --listen` sizes the
+//! sandbox pool that many instances above the worker's, so a token holder
+//! asking for previews never takes an instance a job needs.
 
 use super::OpsError;
+use super::replay::Pacer;
 use crate::effects::{Effect, fingerprint, scope_plan};
 use crate::plugins::PluginRegistry;
 use crate::sandbox::{JobInput, RunError};
@@ -67,15 +74,61 @@ pub struct PreviewError {
     pub message: String,
 }
 
-/// Previews these dead jobs (any state is accepted; dead is the point).
+/// Plugin runs of previews at once in one process, and the sandbox
+/// instances kept for them beside a worker's.
+pub const PREVIEW_SLOTS: u32 = 2;
+
+/// Paces the previews of every HTTP request of a process and bounds how
+/// many run a plugin at once: one job per turn of the pacer, and a run
+/// holds one of [`PREVIEW_SLOTS`] slots.
+///
+/// ```
+/// let gate = idem::ops::preview::PreviewGate::per_second(10.0).unwrap();
+/// ```
+#[derive(Debug)]
+pub struct PreviewGate {
+    pacer: Pacer,
+    slots: tokio::sync::Semaphore,
+}
+
+impl PreviewGate {
+    /// A gate for `per_second` previewed jobs a second (1/h to 10,000/s).
+    pub fn per_second(per_second: f64) -> Result<Self, String> {
+        Ok(PreviewGate {
+            pacer: Pacer::per_second(per_second)?,
+            slots: tokio::sync::Semaphore::new(PREVIEW_SLOTS as usize),
+        })
+    }
+
+    /// Waits for this job's turn.
+    async fn turn(&self) {
+        self.pacer.wait().await;
+    }
+
+    /// Waits for a free slot; the run holds it until the permit drops.
+    async fn slot(&self) -> Result<tokio::sync::SemaphorePermit<'_>, OpsError> {
+        self.slots
+            .acquire()
+            .await
+            .map_err(|_| OpsError::Plugin("the preview slots are closed".into()))
+    }
+}
+
+/// Previews these dead jobs (any state is accepted; dead is the point),
+/// paced and bounded by `gate` when one is given (the HTTP surface); the
+/// command line passes none: its sandbox is its own.
 pub async fn preview_jobs(
     store: &dyn Store,
     registry: &PluginRegistry,
     jobs: &[Job],
+    gate: Option<&PreviewGate>,
 ) -> Result<Vec<JobPreview>, OpsError> {
     let mut out = Vec::with_capacity(jobs.len());
     for job in jobs {
-        out.push(preview_one(store, registry, job).await?);
+        if let Some(gate) = gate {
+            gate.turn().await;
+        }
+        out.push(preview_one(store, registry, job, gate).await?);
     }
     Ok(out)
 }
@@ -84,6 +137,7 @@ async fn preview_one(
     store: &dyn Store,
     registry: &PluginRegistry,
     job: &Job,
+    gate: Option<&PreviewGate>,
 ) -> Result<JobPreview, OpsError> {
     let stored: Vec<Effect> = job
         .plan
@@ -123,7 +177,12 @@ async fn preview_one(
                 correlation_id: job.correlation_id.clone(),
                 enqueued_at_ms: job.created_at_ms,
             };
+            let slot = match gate {
+                Some(gate) => Some(gate.slot().await?),
+                None => None,
+            };
             let ran = registry.sandbox().call(&plugin.compiled, &input).await;
+            drop(slot);
             match ran {
                 Ok(plan) => match plugin.grants.refusals(&plan).first() {
                     Some(refusal) => {
@@ -271,4 +330,35 @@ fn verdict(p: &JobPreview) -> String {
         "{same} key(s) unchanged, {new} new, {dropped} dropped: a plain replay carries out the \
          stored plan; `--discard-plan` would carry out the new one"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PREVIEW_SLOTS, PreviewGate};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gate_paces_every_job() {
+        let gate = PreviewGate::per_second(10.0).unwrap();
+        let start = tokio::time::Instant::now();
+        for _ in 0..20 {
+            gate.turn().await;
+        }
+        // The first turn is at once, the 20th 19 gaps of 100 ms later.
+        assert_eq!(start.elapsed().as_millis(), 1900);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gate_lets_two_runs_at_once() {
+        let gate = PreviewGate::per_second(10_000.0).unwrap();
+        let held: Vec<_> = futures::future::join_all((0..PREVIEW_SLOTS).map(|_| gate.slot()))
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let third = tokio::time::timeout(std::time::Duration::from_secs(3600), gate.slot()).await;
+        assert!(third.is_err(), "a third run waits while two hold a slot");
+        drop(held);
+        let third = tokio::time::timeout(std::time::Duration::from_secs(1), gate.slot()).await;
+        assert!(third.is_ok(), "a slot freed is taken");
+    }
 }

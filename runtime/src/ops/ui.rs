@@ -12,6 +12,7 @@ use super::view::{self, JobQuery};
 use super::{OpsError, assets, preview};
 use crate::store::{JobId, JobState};
 use axum::Router;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Form, Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Redirect, Response};
@@ -86,7 +87,8 @@ fn page_with_script(title: &str, body: &str, script: &str) -> Response {
     Html(html).into_response()
 }
 
-fn error_page(error: ApiError) -> Response {
+/// An error as the dashboard's page, with the error's status.
+pub(super) fn error_page(error: ApiError) -> Response {
     let html = page(
         "Error",
         &format!(
@@ -395,13 +397,23 @@ async fn jobs(
     page("Jobs", &body)
 }
 
-async fn job(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
-    let Some(id) = id.parse::<i64>().ok().filter(|i| *i > 0) else {
-        return error_page(ApiError::new(
+/// The job id of a `{id}` page, or the error page: a path that does not
+/// decode (`%FF`) and an id that is not a positive integer are both 400.
+fn page_job_id(path: Result<Path<String>, PathRejection>) -> Result<i64, ApiError> {
+    let Path(text) = path?;
+    text.parse::<i64>().ok().filter(|i| *i > 0).ok_or_else(|| {
+        ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid_request",
-            "not a job id",
-        ));
+            format!("not a job id: {text:?}"),
+        )
+    })
+}
+
+async fn job(State(state): State<ApiState>, path: Result<Path<String>, PathRejection>) -> Response {
+    let id = match page_job_id(path) {
+        Ok(id) => id,
+        Err(error) => return error_page(error),
     };
     let detail = match view::job_detail(&*state.store, JobId(id)).await {
         Ok(d) => d,
@@ -543,13 +555,13 @@ async fn dlq(
     page("Dead letters", &body)
 }
 
-async fn preview_one(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
-    let Some(id) = id.parse::<i64>().ok().filter(|i| *i > 0) else {
-        return error_page(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            "not a job id",
-        ));
+async fn preview_one(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Response {
+    let id = match page_job_id(path) {
+        Ok(id) => id,
+        Err(error) => return error_page(error),
     };
     let Some(registry) = &state.registry else {
         return error_page(ApiError::new(
@@ -563,11 +575,17 @@ async fn preview_one(State(state): State<ApiState>, Path(id): Path<String>) -> R
         Ok(None) => return error_page(OpsError::NotFound(format!("no job {id}")).into()),
         Err(e) => return error_page(e.into()),
     };
-    let previews =
-        match preview::preview_jobs(&*state.store, registry, std::slice::from_ref(&job)).await {
-            Ok(p) => p,
-            Err(e) => return error_page(e.into()),
-        };
+    let previews = match preview::preview_jobs(
+        &*state.store,
+        registry,
+        std::slice::from_ref(&job),
+        Some(&state.preview),
+    )
+    .await
+    {
+        Ok(p) => p,
+        Err(e) => return error_page(e.into()),
+    };
     let mut body = format!("<h1>Replay preview of job <a href=\"/ui/jobs/{id}\">{id}</a></h1>");
     for p in &previews {
         let _ = write!(
@@ -608,13 +626,13 @@ async fn preview_one(State(state): State<ApiState>, Path(id): Path<String>) -> R
     page("Replay preview", &body)
 }
 
-async fn replay_one(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
-    let Some(id) = id.parse::<i64>().ok().filter(|i| *i > 0) else {
-        return error_page(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            "not a job id",
-        ));
+async fn replay_one(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, PathRejection>,
+) -> Response {
+    let id = match page_job_id(path) {
+        Ok(id) => id,
+        Err(error) => return error_page(error),
     };
     let request = ReplayRequest {
         ids: vec![JobId(id)],
