@@ -6,7 +6,9 @@ use super::{CliError, printable};
 use crate::config::Config;
 use crate::ops::api::{self, ApiState};
 use crate::ops::auth::Token;
+use crate::ops::hosts::AllowedHosts;
 use crate::ops::preview::PreviewGate;
+use crate::ops::server::Limits;
 use crate::ops::view::{self, JobQuery};
 use crate::plugins::PluginRegistry;
 use crate::providers::Providers;
@@ -14,6 +16,7 @@ use crate::store::{JobId, JobState, Store};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Options of the HTTP surface (`idem run --listen`, `idem serve`).
@@ -32,6 +35,30 @@ pub struct HttpArgs {
     /// (default: the replay rate); at most two run a plugin at once.
     #[arg(long)]
     pub preview_rate: Option<String>,
+    /// Time from waiting for a request (a new connection, or the previous
+    /// answer sent) to the end of its headers; a client still sending them
+    /// is disconnected.
+    #[arg(long, value_parser = positive_duration, default_value = "10s")]
+    pub header_timeout: Duration,
+    /// Time from the end of a request's headers to the end of its body; a
+    /// body still arriving is answered 408.
+    #[arg(long, value_parser = positive_duration, default_value = "30s")]
+    pub body_timeout: Duration,
+    /// A connection on which nothing is read or written for this long, and
+    /// no request is being handled, is closed (a keep-alive connection
+    /// between requests waits at most this or --header-timeout, the shorter).
+    #[arg(long, value_parser = positive_duration, default_value = "5s")]
+    pub idle_timeout: Duration,
+    /// Connections served at once; more wait in the listen backlog, holding
+    /// no file descriptor of this process.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// Host names (or addresses) requests may be addressed to, comma
+    /// separated, without ports: any other `Host` is answered 421
+    /// `host_not_allowed` (`/healthz` excepted). Default: any host; set it
+    /// when the dashboard is reachable by a name (DNS rebinding).
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
     /// Serve metrics and the health check only (`idem run --metrics-listen`).
     #[arg(skip)]
     pub metrics_only: bool,
@@ -39,15 +66,46 @@ pub struct HttpArgs {
 
 impl HttpArgs {
     /// `/metrics` without a token and `/healthz`; the API and the dashboard
-    /// refuse everything whatever `IDEM_API_TOKEN` says.
-    pub fn metrics_only() -> Self {
+    /// refuse everything whatever `IDEM_API_TOKEN` says. The connection
+    /// limits and the Host allow-list stay as given.
+    pub fn metrics_only(&self) -> Self {
         HttpArgs {
             api_token_file: None,
             metrics_open: true,
             replay_rate: "10/s".into(),
             preview_rate: None,
             metrics_only: true,
+            ..self.clone()
         }
+    }
+
+    /// The limits of every connection.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            header_timeout: self.header_timeout,
+            body_timeout: self.body_timeout,
+            idle_timeout: self.idle_timeout,
+            max_connections: self.max_connections as usize,
+        }
+    }
+
+    /// The Host allow-list; `None` (any host) without `--allowed-hosts`.
+    pub fn allowed_hosts(&self) -> Result<Option<AllowedHosts>, CliError> {
+        if self.allowed_hosts.is_empty() {
+            return Ok(None);
+        }
+        AllowedHosts::parse(&self.allowed_hosts)
+            .map(Some)
+            .map_err(|e| CliError::Usage(format!("--allowed-hosts: {e}")))
+    }
+}
+
+/// A duration flag's value: humantime (`10s`, `1m30s`, `500ms`), not zero.
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => Err("must be more than zero".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -86,6 +144,7 @@ pub fn start(
         .and_then(crate::ops::replay::Pacer::per_second)
         .map_err(|e| CliError::Usage(format!("--replay-rate: {e}")))?;
     let preview = preview_gate(args)?;
+    let (limits, allowed_hosts) = (args.limits(), args.allowed_hosts()?);
     let metrics = crate::metrics::install_prometheus().map_err(|e| {
         CliError::Runtime(anyhow::anyhow!("cannot install the metrics recorder: {e}"))
     })?;
@@ -102,14 +161,18 @@ pub fn start(
         preview: Arc::new(preview),
     };
     let addr = listener.local_addr().ok();
+    if allowed_hosts.is_none() && !args.metrics_only && addr.is_some_and(|a| !a.ip().is_loopback())
+    {
+        eprintln!(
+            "warning: no --allowed-hosts: a web page whose name is made to resolve to this address (DNS rebinding) reaches the sign-in form; name the hosts the dashboard is reached by"
+        );
+    }
     tracing::info!(
         ?addr,
         "HTTP surface listening: /api, /ui, /metrics, /healthz"
     );
     Ok(tokio::spawn(async move {
-        if let Err(error) = api::serve(listener, state, shutdown).await {
-            tracing::error!(%error, "the HTTP surface stopped");
-        }
+        api::serve_with(listener, state, limits, allowed_hosts, shutdown).await;
     }))
 }
 
@@ -351,4 +414,40 @@ pub fn timeline_text(detail: &serde_json::Value) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        http: HttpArgs,
+    }
+
+    #[test]
+    fn the_flags_defaults_are_the_documented_limits() {
+        let cli = Cli::try_parse_from(["idem"]).unwrap();
+        assert_eq!(cli.http.limits(), Limits::default());
+        assert!(cli.http.allowed_hosts().unwrap().is_none());
+        let cli = Cli::try_parse_from([
+            "idem",
+            "--header-timeout",
+            "500ms",
+            "--max-connections",
+            "4",
+            "--allowed-hosts",
+            "a.example,b.example",
+        ])
+        .unwrap();
+        assert_eq!(cli.http.limits().header_timeout, Duration::from_millis(500));
+        assert_eq!(cli.http.limits().max_connections, 4);
+        let hosts = cli.http.allowed_hosts().unwrap().unwrap();
+        assert!(hosts.allows("b.example:9090") && !hosts.allows("c.example"));
+        // `--metrics-listen` keeps the limits and the list.
+        assert_eq!(cli.http.metrics_only().limits(), cli.http.limits());
+        assert_eq!(cli.http.metrics_only().allowed_hosts.len(), 2);
+    }
 }

@@ -394,7 +394,7 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
         Some(listener) => Some(super::ops::start(
             listener,
             &if metrics_only {
-                super::ops::HttpArgs::metrics_only()
+                args.http.metrics_only()
             } else {
                 args.http.clone()
             },

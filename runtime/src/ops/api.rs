@@ -650,13 +650,55 @@ async fn preview_body(state: &ApiState, body: &ReplayBody) -> ApiResult {
     ok(json!({"dry_run": true, "jobs": previews, "more": more}))
 }
 
-/// Serves the HTTP surface on `listener` until `shutdown` fires.
+/// Serves the HTTP surface on `listener` with the default
+/// [`Limits`](super::server::Limits) and no Host allow-list until
+/// `shutdown` fires and its connections close (see [`serve_with`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: ApiState,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+    serve_with(
+        listener,
+        state,
+        super::server::Limits::default(),
+        None,
+        shutdown,
+    )
+    .await;
+    Ok(())
+}
+
+/// Serves the HTTP surface on `listener` within `limits` (see
+/// [`super::server`]), answering only the `allowed_hosts` when given, until
+/// `shutdown` fires and its connections close.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    state: ApiState,
+    limits: super::server::Limits,
+    allowed_hosts: Option<super::hosts::AllowedHosts>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    super::server::serve(listener, app(state, allowed_hosts), limits, shutdown).await
+}
+
+/// The router with what guards it before any route: the Host allow-list
+/// (outermost, so a refused name reaches neither the token check nor a
+/// route) and the sign-in form's body cap.
+///
+/// ```
+/// # fn demo(state: idem::ops::api::ApiState) {
+/// let hosts = idem::ops::hosts::AllowedHosts::parse(["idem.example.com"]).ok();
+/// let app: axum::Router = idem::ops::api::app(state, hosts);
+/// # }
+/// ```
+pub fn app(state: ApiState, allowed_hosts: Option<super::hosts::AllowedHosts>) -> Router {
+    router(state)
+        .layer(middleware::from_fn(super::body::cap_login_body))
+        .layer(middleware::from_fn_with_state(
+            allowed_hosts,
+            super::hosts::check,
+        ))
+        // Their refusals get the security headers too.
+        .layer(middleware::map_response(super::headers::secure))
 }

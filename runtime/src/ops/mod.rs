@@ -12,13 +12,19 @@
 //! - [`ui`]: the dashboard at `/ui`, rendered on the server.
 //! - [`assets`]: the dashboard's stylesheet and script, served from `/ui/assets/`.
 //! - [`headers`]: the security headers every answer carries (CSP, no framing, no-store).
+//! - [`server`]: the accept loop: connection cap, header, body and idle timeouts.
+//! - [`body`]: the body deadline and the sign-in form's body cap.
+//! - [`hosts`]: the Host allow-list (`--allowed-hosts`).
 
 pub mod api;
 pub mod assets;
 pub mod auth;
+pub mod body;
 pub mod headers;
+pub mod hosts;
 pub mod preview;
 pub mod replay;
+pub mod server;
 pub mod ui;
 pub mod view;
 
