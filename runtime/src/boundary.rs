@@ -12,7 +12,7 @@
 //! | field | rule | on a refusal |
 //! |---|---|---|
 //! | `error_code` | 1..=64 bytes of `a-z A-Z 0-9 _ . : -` | the plugin's error keeps its class, code `invalid_error_code` |
-//! | `error_message` | cleaned: control characters (but tab and newline) become U+FFFD, cut to [`MAX_MESSAGE`] bytes | — |
+//! | `error_message` | cleaned: URLs redacted to `scheme://host:port/…` ([`redact_urls`]), control characters (but tab and newline) become U+FFFD, cut to [`MAX_MESSAGE`] bytes | — |
 //! | `name` (queue, plugin) | 1..=128 bytes of `a-z A-Z 0-9 _ . : -` | an invalid effect, an invalid input (API: 400) |
 //! | `correlation_id` | 1..=255 printable ASCII bytes (space included, as a key) | an invalid input (API: 400) |
 //! | `result_ref` | cleaned: control characters dropped, cut to [`MAX_RESULT_REF`] bytes; empty is none | — |
@@ -148,17 +148,113 @@ pub fn correlation_id(value: &str) -> Result<(), Refused> {
     Ok(())
 }
 
+/// What replaces a URL's path, query and fragment in [`redact_urls`].
+pub const REDACTED_PATH: &str = "/\u{2026}";
+
+/// What replaces a URL's user name and password in [`redact_urls`].
+pub const REDACTED_USERINFO: &str = "\u{2026}@";
+
+/// Characters that end a URL in prose: whitespace, control characters,
+/// quotes, angle brackets and the backslash of an escaped quote.
+fn ends_url(c: char) -> bool {
+    c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '<' | '>' | '`' | '\\')
+}
+
+/// Punctuation at the end of a URL that belongs to the sentence around it
+/// (`for url (https://host/path)`, `see https://host/path.`), kept after
+/// the redacted path.
+const SENTENCE_PUNCTUATION: &[char] = &[')', ']', '}', '.', ',', ';', ':', '!', '?'];
+
+fn is_scheme_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.')
+}
+
+/// Every URL in `text` (`scheme://...`, any scheme) with its user name,
+/// password, path, query and fragment replaced, its scheme, host and port
+/// kept: `https://user:pw@host:8443/hook/T0?api_key=S` becomes
+/// `https://…@host:8443/…`. A URL without userinfo whose path is empty or
+/// `/` is kept as it is. A URL ends at whitespace, a control character, a
+/// quote, `<`, `>` or `\`; closing punctuation at its end (`)` `.` `,` ...)
+/// is kept after the redacted path. Redacting twice changes nothing.
+///
+/// Provider URLs often carry a credential (a webhook's secret path, an
+/// `?api_key=`, a database password), and error texts (reqwest's
+/// `... for url (...)`) quote them: every message stored or logged passes
+/// through [`message`], which calls this.
+///
+/// ```
+/// use idem::boundary::redact_urls;
+/// assert_eq!(
+///     redact_urls("error sending request for url (https://hooks.example/T0/B1?api_key=S)"),
+///     "error sending request for url (https://hooks.example/\u{2026})"
+/// );
+/// assert_eq!(redact_urls("postgres://app:pw@db:5432/billing"), "postgres://\u{2026}@db:5432/\u{2026}");
+/// ```
+pub fn redact_urls(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains("://") {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    // `text[..copied]` is in `out`; the next `://` is searched from `search`.
+    let mut copied = 0;
+    let mut search = 0;
+    while let Some(found) = text[search..].find("://") {
+        let separator = search + found;
+        let mut start = separator;
+        while start > copied && is_scheme_byte(bytes[start - 1]) {
+            start -= 1;
+        }
+        // A scheme starts with a letter (`1http://` is `http://`).
+        while start < separator && !bytes[start].is_ascii_alphabetic() {
+            start += 1;
+        }
+        let after = separator + 3;
+        if start == separator {
+            search = after;
+            continue;
+        }
+        let end = text[after..]
+            .find(ends_url)
+            .map_or(text.len(), |i| after + i);
+        let url = &text[after..end];
+        let (authority, tail) = url.split_at(url.find(['/', '?', '#']).unwrap_or(url.len()));
+        let (userinfo, host) = match authority.rfind('@') {
+            Some(at) => (true, &authority[at + 1..]),
+            None => (false, authority),
+        };
+        let path = tail.trim_end_matches(SENTENCE_PUNCTUATION);
+        let punctuation = &tail[path.len()..];
+        out.push_str(&text[copied..after]);
+        if userinfo {
+            out.push_str(REDACTED_USERINFO);
+        }
+        out.push_str(host);
+        if path.is_empty() || path == "/" {
+            out.push_str(path);
+        } else {
+            out.push_str(REDACTED_PATH);
+        }
+        out.push_str(punctuation);
+        copied = end;
+        search = end;
+    }
+    out.push_str(&text[copied..]);
+    std::borrow::Cow::Owned(out)
+}
+
 fn is_kept_control(c: char) -> bool {
     c == '\n' || c == '\t'
 }
 
-/// A message (an error's, a panic's, a provider's): every control
-/// character but tab and newline becomes U+FFFD, and the text is cut to
-/// [`MAX_MESSAGE`] bytes on a char boundary, marked `...`.
+/// A message (an error's, a panic's, a provider's): URLs redacted (see
+/// [`redact_urls`]), every control character but tab and newline becomes
+/// U+FFFD, and the text is cut to [`MAX_MESSAGE`] bytes on a char
+/// boundary, marked `...`.
 ///
 /// `assert_eq!(idem::boundary::message("ok\n"), "ok\n");`
 pub fn message(text: &str) -> String {
-    let mut cleaned: String = text
+    let mut cleaned: String = redact_urls(text)
         .chars()
         .map(|c| {
             if c.is_control() && !is_kept_control(c) {
@@ -391,6 +487,93 @@ mod tests {
         assert!(!line.chars().any(char::is_control), "{line:?}");
         let long = log_line(&"é".repeat(100), 11);
         assert!(long.len() <= 11 + 4 && long.ends_with("..."), "{long:?}");
+    }
+
+    /// Issue 24, item 5: what each URL keeps (scheme, host, port) and
+    /// what it loses (userinfo, path, query, fragment).
+    #[test]
+    fn urls_keep_their_origin_and_lose_the_rest() {
+        for (text, want) in [
+            // reqwest's own form, the URL in parentheses.
+            (
+                "error sending request for url (https://hooks.example/T0/B1/SECRET?api_key=SECRET)",
+                "error sending request for url (https://hooks.example/\u{2026})",
+            ),
+            // Several URLs, closing punctuation kept.
+            (
+                "tried http://a.example/x?k=SECRET, then https://b.example:8443/y#SECRET.",
+                "tried http://a.example/\u{2026}, then https://b.example:8443/\u{2026}.",
+            ),
+            // Userinfo with a password (an `@` in it too), any scheme.
+            (
+                "postgres://app:SECRET@db.internal:5432/billing?sslmode=require",
+                "postgres://\u{2026}@db.internal:5432/\u{2026}",
+            ),
+            ("amqp://guest:SE@CRET@mq:5672", "amqp://\u{2026}@mq:5672"),
+            ("https://user@host", "https://\u{2026}@host"),
+            // IPv6 hosts keep their brackets and port.
+            (
+                "cannot connect to http://[::1]:8080/hook?token=SECRET",
+                "cannot connect to http://[::1]:8080/\u{2026}",
+            ),
+            ("(http://[fe80::1])", "(http://[fe80::1])"),
+            // A query straight after the host, and a fragment.
+            ("https://h?api_key=SECRET", "https://h/\u{2026}"),
+            ("https://h#SECRET", "https://h/\u{2026}"),
+            // Nothing to hide: kept as it is.
+            (
+                "see https://status.example/ or https://h:1",
+                "see https://status.example/ or https://h:1",
+            ),
+            // Quoted (a Debug print), and escaped quotes in JSON text.
+            ("url: \"https://h/SECRET\"", "url: \"https://h/\u{2026}\""),
+            (
+                "{\"m\":\"for url (https://h/p?k=SECRET)\"}",
+                "{\"m\":\"for url (https://h/\u{2026})\"}",
+            ),
+            // UTF-8 around and inside.
+            (
+                "échec: https://exemple.fr/d\u{e9}p\u{f4}t?cl\u{e9}=SECRET \u{2713}",
+                "échec: https://exemple.fr/\u{2026} \u{2713}",
+            ),
+            (
+                "https://b\u{fc}cher.example/SECRET",
+                "https://b\u{fc}cher.example/\u{2026}",
+            ),
+            // Text without URLs, and `://` without a scheme.
+            ("the card was declined", "the card was declined"),
+            ("résumé ✓ a://", "résumé ✓ a://"),
+            (" ://h/SECRET", " ://h/SECRET"),
+            ("", ""),
+            // A scheme glued to earlier text starts at its first letter.
+            ("x1+http://h/SECRET", "x1+http://h/\u{2026}"),
+            // Tabs and newlines end a URL (a message keeps them).
+            (
+                "https://h/SECRET\nnext line",
+                "https://h/\u{2026}\nnext line",
+            ),
+        ] {
+            let got = redact_urls(text);
+            assert_eq!(got, want, "{text:?}");
+            assert!(!got.contains("SECRET") || text == " ://h/SECRET", "{got:?}");
+            assert_eq!(
+                redact_urls(&got),
+                got,
+                "redacting twice changes nothing: {got:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn messages_redact_urls_before_they_are_cut() {
+        let long = format!("{} https://h/{}", "x".repeat(100), "SECRET".repeat(1000));
+        let got = message(&long);
+        assert!(!got.contains("SECRET"), "{got}");
+        assert!(got.ends_with("https://h/\u{2026}"), "{got}");
+        assert_eq!(
+            message("for url (http://h/p?k=SECRET)\0"),
+            "for url (http://h/\u{2026})\u{fffd}"
+        );
     }
 
     #[test]

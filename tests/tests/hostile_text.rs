@@ -87,6 +87,23 @@ const CASES: &[(&str, Ends)] = &[
         "http_header_value_crlf",
         Ends::Dead("invalid_effect", Permanent),
     ),
+    // Hop-by-hop and routing headers, encoded dots (issue 24).
+    (
+        "http_header_transfer_encoding",
+        Ends::Dead("invalid_effect", Permanent),
+    ),
+    (
+        "http_header_x_forwarded_for",
+        Ends::Dead("invalid_effect", Permanent),
+    ),
+    (
+        "http_header_x_original_url",
+        Ends::Dead("invalid_effect", Permanent),
+    ),
+    (
+        "http_path_encoded_dots",
+        Ends::Dead("invalid_effect", Permanent),
+    ),
     ("email_to_nul", Ends::Dead("invalid_effect", Permanent)),
     ("email_to_crlf", Ends::Dead("invalid_effect", Permanent)),
     ("email_subject_nul", Ends::Dead("invalid_effect", Permanent)),

@@ -44,6 +44,10 @@ pub const CASES: &[&str] = &[
     "http_header_name_nul",
     "http_header_value_nul",
     "http_header_value_crlf",
+    "http_header_transfer_encoding",
+    "http_header_x_forwarded_for",
+    "http_header_x_original_url",
+    "http_path_encoded_dots",
     "email_to_nul",
     "email_to_crlf",
     "email_subject_nul",
@@ -215,6 +219,27 @@ fn run(case: &str, correlation_id: &str) -> Result<Vec<Effect>, JobError> {
             "/orders/7/events",
             vec![("x-hostile", "v\r\nx-injected: 1")],
         )]),
+        // Hop-by-hop and routing headers (issue 24): the framing, the
+        // client address an allow-list trusts, the path a proxy routes by.
+        "http_header_transfer_encoding" => Ok(vec![http(
+            case,
+            "POST",
+            "/orders/7/events",
+            vec![("Transfer-Encoding", "chunked")],
+        )]),
+        "http_header_x_forwarded_for" => Ok(vec![http(
+            case,
+            "POST",
+            "/orders/7/events",
+            vec![("X-Forwarded-For", "127.0.0.1")],
+        )]),
+        "http_header_x_original_url" => Ok(vec![http(
+            case,
+            "POST",
+            "/orders/7/events",
+            vec![("X-Original-URL", "/admin")],
+        )]),
+        "http_path_encoded_dots" => Ok(vec![http(case, "POST", "/orders/%2e%2e/admin", vec![])]),
         "email_to_nul" => Ok(with_email(case, |e| {
             e.to = vec!["ana\0@example.com".into()]
         })),

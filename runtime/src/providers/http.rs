@@ -16,14 +16,36 @@ use std::time::Duration;
 /// Most bytes of a response body read (for the result reference and error code).
 const MAX_RESPONSE: usize = 64 << 10;
 
-/// Headers a plugin may not set: the host owns them.
-const RESERVED_HEADERS: [&str; 5] = [
+/// Headers a plugin may not set, beside the provider's own auth and
+/// signature headers: the host sets these (the key, the credentials, the
+/// framing), or they are hop-by-hop (meant for the next hop, never the
+/// API), or a proxy or framework in front of the API routes, authenticates
+/// or rewrites by them (`X-Original-URL` reaches a path the base URL does
+/// not allow; `X-Forwarded-For` forges the client address an allow-list
+/// trusts; a method override turns the POST into a DELETE).
+pub const DENIED_HEADERS: [&str; 17] = [
     "authorization",
     "idempotency-key",
+    "x-idem-signature",
     "host",
     "content-length",
-    "x-idem-signature",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "forwarded",
+    "x-original-url",
+    "x-rewrite-url",
+    "x-real-ip",
+    "x-http-method-override",
+    "x-method-override",
 ];
+
+/// Prefixes of header names a plugin may not set (`Proxy-Authorization`,
+/// `Proxy-Connection`; `X-Forwarded-For`, `-Host`, `-Proto`, `-Prefix` ...).
+pub const DENIED_HEADER_PREFIXES: [&str; 2] = ["proxy-", "x-forwarded-"];
 
 /// An HTTP API provider.
 ///
@@ -34,7 +56,7 @@ const RESERVED_HEADERS: [&str; 5] = [
 pub struct HttpProvider {
     kind: ProviderKind,
     client: reqwest::Client,
-    base_url: String,
+    base: Base,
     from: Option<String>,
     auth: Option<(HeaderName, HeaderValue)>,
     hmac: Option<(HeaderName, Vec<u8>)>,
@@ -75,17 +97,16 @@ impl HttpProvider {
             )),
             None => None,
         };
-        if !(config.base_url.starts_with("http://") || config.base_url.starts_with("https://")) {
-            return Err(format!(
-                "base_url {:?} must start with http:// or https://",
-                config.base_url
-            ));
-        }
-        tracing::debug!(provider = name, base_url = %config.base_url, "provider configured");
+        let base = Base::parse(&config.base_url)?;
+        tracing::debug!(
+            provider = name,
+            base_url = %crate::boundary::redact_urls(&config.base_url),
+            "provider configured"
+        );
         Ok(HttpProvider {
             kind: config.kind,
             client,
-            base_url: config.base_url.trim_end_matches('/').to_string(),
+            base,
             from: config.from.clone(),
             auth,
             hmac,
@@ -101,10 +122,39 @@ impl HttpProvider {
         })
     }
 
+    /// Whether a plugin may set the header `name` (lower case): not one of
+    /// [`DENIED_HEADERS`] or [`DENIED_HEADER_PREFIXES`], nor this provider's
+    /// auth or signature header.
+    fn refuse_denied_header(&self, name: &str) -> Result<(), Failure> {
+        let lowered = name.to_ascii_lowercase();
+        let own = [
+            self.auth.as_ref().map(|a| &a.0),
+            self.hmac.as_ref().map(|h| &h.0),
+        ]
+        .into_iter()
+        .flatten()
+        .any(|header| header.as_str() == lowered);
+        let denied = own
+            || DENIED_HEADERS.contains(&lowered.as_str())
+            || DENIED_HEADER_PREFIXES
+                .iter()
+                .any(|prefix| lowered.starts_with(prefix));
+        if denied {
+            return Err(Failure::host(
+                Code::InvalidEffect,
+                format!(
+                    "the header {} is set by the host or routes the request, not set by plugins",
+                    crate::boundary::shown(name)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn request(
         &self,
         effect: &Effect,
-    ) -> Result<(reqwest::Method, String, HeaderMap, Vec<u8>), Failure> {
+    ) -> Result<(reqwest::Method, reqwest::Url, HeaderMap, Vec<u8>), Failure> {
         let mut headers = HeaderMap::new();
         let (method, path, body) = match (&effect.action, self.kind) {
             (
@@ -117,19 +167,27 @@ impl HttpProvider {
                 ProviderKind::Http,
             ) => {
                 for (name, value) in extra {
-                    if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+                    refuse_control_characters("header name", name)?;
+                    self.refuse_denied_header(name)?;
+                    let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                        Failure::host(
+                            Code::InvalidEffect,
+                            format!("bad header name {}", crate::boundary::shown(name)),
+                        )
+                    })?;
+                    // Tab and bytes above 0x7f pass `HeaderValue`; a value
+                    // may be a credential, so it is not quoted.
+                    if value.chars().any(char::is_control) {
                         return Err(Failure::host(
                             Code::InvalidEffect,
-                            format!("the header {name:?} is set by the host, not by plugins"),
+                            format!("the value of header {name} holds a control character"),
                         ));
                     }
-                    let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-                        Failure::host(Code::InvalidEffect, format!("bad header name {name:?}"))
-                    })?;
                     let value = HeaderValue::from_str(value)
                         .map_err(|_| Failure::host(Code::InvalidEffect, "bad header value"))?;
                     headers.append(name, value);
                 }
+                refuse_control_characters("method", method)?;
                 let method = reqwest::Method::from_bytes(method.to_ascii_uppercase().as_bytes())
                     .map_err(|_| {
                         Failure::host(Code::InvalidEffect, format!("bad method {method:?}"))
@@ -211,10 +269,13 @@ impl HttpProvider {
                 format!("path {path:?} must start with '/'"),
             ));
         }
+        // The first line, on the text: no dot segment in any spelling
+        // (`%2e`, and `%252e` for a server that decodes twice).
         let lowered = path.to_ascii_lowercase();
         if path.contains("://")
             || path.contains("..")
             || lowered.contains("%2e")
+            || lowered.contains("%252e")
             || path.contains('\\')
         {
             return Err(Failure::host(
@@ -222,6 +283,8 @@ impl HttpProvider {
                 format!("path {path:?} leaves the provider's base URL"),
             ));
         }
+        // The second, on the URL as it is sent.
+        let url = self.base.join(&path)?;
         let key = HeaderValue::from_str(&effect.idempotency_key).map_err(|_| {
             Failure::host(
                 Code::InvalidIdempotencyKey,
@@ -238,7 +301,7 @@ impl HttpProvider {
                 headers.insert(name.clone(), value);
             }
         }
-        Ok((method, format!("{}{path}", self.base_url), headers, body))
+        Ok((method, url, headers, body))
     }
 
     /// The provider's reference for what it did, cleaned by the boundary's
@@ -258,6 +321,94 @@ impl HttpProvider {
             }
         };
         found.and_then(|r| crate::boundary::result_ref(&r))
+    }
+}
+
+/// A provider's `base_url`, parsed once: every request goes below its path
+/// on its origin.
+#[derive(Debug)]
+struct Base {
+    /// The base URL without its query and fragment, and without a
+    /// trailing `/` (`https://api.example/v1`).
+    prefix: String,
+    /// Its path without a trailing `/` (`/v1`; empty for the root).
+    path: String,
+    /// Its query (`api_key=...`), sent with every request.
+    query: Option<String>,
+    /// Its origin (scheme, host, port) and userinfo, which a request's
+    /// URL must keep.
+    origin: (url::Origin, String, Option<String>),
+}
+
+impl Base {
+    /// `base_url` of the config: an `http` or `https` URL; an error names
+    /// it with its path and credentials redacted.
+    fn parse(base_url: &str) -> Result<Self, String> {
+        let shown = crate::boundary::redact_urls(base_url);
+        let url = reqwest::Url::parse(base_url)
+            .map_err(|e| format!("base_url {shown:?} is not a URL: {e}"))?;
+        if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
+            return Err(format!(
+                "base_url {shown:?} must start with http:// or https://"
+            ));
+        }
+        let mut bare = url.clone();
+        bare.set_query(None);
+        bare.set_fragment(None);
+        Ok(Base {
+            prefix: bare.as_str().trim_end_matches('/').to_string(),
+            path: url.path().trim_end_matches('/').to_string(),
+            query: url.query().map(str::to_string),
+            origin: Self::origin_of(&url),
+        })
+    }
+
+    fn origin_of(url: &reqwest::Url) -> (url::Origin, String, Option<String>) {
+        (
+            url.origin(),
+            url.username().to_string(),
+            url.password().map(str::to_string),
+        )
+    }
+
+    /// The URL of an effect's `path` (which may end in `?query`): the
+    /// path appended to the base's, then parsed as a client sends it (dot
+    /// segments resolved, tabs and newlines dropped, `%2e` read as a dot),
+    /// and refused unless it is still on the base's origin and below the
+    /// base's path, segment by segment (`/v1` does not cover `/v10`). The
+    /// base's query comes first, the path's own after it.
+    fn join(&self, path: &str) -> Result<reqwest::Url, Failure> {
+        let (path_part, query) = match path.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (path, None),
+        };
+        let leaves = || {
+            Failure::host(
+                Code::InvalidEffect,
+                format!(
+                    "path {} leaves the provider's base URL",
+                    crate::boundary::shown(path)
+                ),
+            )
+        };
+        let mut url =
+            reqwest::Url::parse(&format!("{}{path_part}", self.prefix)).map_err(|_| leaves())?;
+        let resolved = url.path();
+        let below = self.path.is_empty()
+            || resolved == self.path
+            || resolved
+                .strip_prefix(self.path.as_str())
+                .is_some_and(|rest| rest.starts_with('/'));
+        if !below || Self::origin_of(&url) != self.origin || url.fragment().is_some() {
+            return Err(leaves());
+        }
+        let query = match (self.query.as_deref(), query) {
+            (Some(base), Some(own)) if !own.is_empty() => Some(format!("{base}&{own}")),
+            (Some(base), _) => Some(base.to_string()),
+            (None, own) => own.map(str::to_string),
+        };
+        url.set_query(query.as_deref());
+        Ok(url)
     }
 }
 
@@ -307,7 +458,7 @@ impl Provider for HttpProvider {
         let (method, url, headers, body) = self.request(effect)?;
         let response = self
             .client
-            .request(method, &url)
+            .request(method, url)
             .headers(headers)
             .body(body)
             .send()
@@ -360,12 +511,30 @@ impl Provider for HttpProvider {
     }
 }
 
+/// A send error as text, without the request's URL (its path and query
+/// may hold the provider's credential: reqwest prints `for url (...)`),
+/// with the causes reqwest's own text leaves out (`Connection refused`).
+fn describe(error: reqwest::Error) -> String {
+    let error = error.without_url();
+    let mut text = error.to_string();
+    let mut cause = std::error::Error::source(&error);
+    while let Some(inner) = cause {
+        let line = inner.to_string();
+        if !text.contains(&line) {
+            text.push_str(": ");
+            text.push_str(&line);
+        }
+        cause = inner.source();
+    }
+    crate::boundary::redact_urls(&text).into_owned()
+}
+
 fn classify_send_error(error: reqwest::Error) -> Failure {
     if error.is_connect() {
         // Never reached the provider: safe to retry, nothing was sent.
         Failure::host(
             Code::ProviderUnreachable,
-            format!("cannot connect: {error}"),
+            format!("cannot connect: {}", describe(error)),
         )
     } else if error.is_timeout() {
         Failure::host(
@@ -376,7 +545,8 @@ fn classify_send_error(error: reqwest::Error) -> Failure {
         Failure::host(
             Code::ProviderConnectionLost,
             format!(
-                "the connection failed after sending; the request may have taken effect: {error}"
+                "the connection failed after sending; the request may have taken effect: {}",
+                describe(error)
             ),
         )
     }
@@ -540,6 +710,168 @@ mod tests {
             mailer.check(&http("/x", &[])).unwrap_err().code,
             "unsupported_action"
         );
+    }
+
+    /// Issue 24: a path is checked again on the URL as it is sent, so a
+    /// spelling the text checks miss cannot climb out of the base URL's
+    /// path. `Base::join` alone, without the text checks in front of it.
+    #[test]
+    fn a_resolved_path_must_stay_below_the_base_urls_path() {
+        let base = Base::parse("http://127.0.0.1:9/api/v1/?api_key=SECRET").unwrap();
+        for path in [
+            "/.\t./.\t./admin",
+            "/%2e%2e/admin",
+            "/%2E%2e/%2e%2E/admin",
+            "/.%2e/admin",
+            "/%2e./admin",
+            "/a/../../admin",
+            "/a/%2e%2e/%2e%2e/admin",
+            "/..\\admin",
+            "/../v10",
+            "/../../..",
+            "/x#fragment",
+        ] {
+            let refused = base.join(path).unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{path:?}");
+        }
+        for (path, want) in [
+            ("", "http://127.0.0.1:9/api/v1?api_key=SECRET"),
+            ("/", "http://127.0.0.1:9/api/v1/?api_key=SECRET"),
+            (
+                "/orders/7",
+                "http://127.0.0.1:9/api/v1/orders/7?api_key=SECRET",
+            ),
+            ("/a/./b", "http://127.0.0.1:9/api/v1/a/b?api_key=SECRET"),
+            ("/a/../b", "http://127.0.0.1:9/api/v1/b?api_key=SECRET"),
+            (
+                "/orders?page=2",
+                "http://127.0.0.1:9/api/v1/orders?api_key=SECRET&page=2",
+            ),
+            (
+                "/group%2Fproject",
+                "http://127.0.0.1:9/api/v1/group%2Fproject?api_key=SECRET",
+            ),
+        ] {
+            assert_eq!(base.join(path).unwrap().as_str(), want, "{path:?}");
+        }
+        let root = Base::parse("https://api.example").unwrap();
+        assert_eq!(
+            root.join("/v1/x").unwrap().as_str(),
+            "https://api.example/v1/x"
+        );
+        assert!(root.join("/../x").is_ok(), "nothing above the root");
+        assert!(Base::parse("ftp://h/x").is_err());
+        let refused = Base::parse("http://h:notaport/T0/SECRET?api_key=SECRET").unwrap_err();
+        assert!(!refused.contains("SECRET"), "{refused}");
+    }
+
+    /// The same paths through `check`: refused, by one check or the other.
+    #[test]
+    fn paths_that_leave_the_base_are_refused_before_the_plan_is_stored() {
+        let partner = provider("http", "http://127.0.0.1:9/api");
+        for path in [
+            "/.\t./.\t./admin",
+            "/%2e%2e/admin",
+            "/%252e%252e/admin",
+            "/a/../../admin",
+            "/.%2E/admin",
+            "/a\\..\\admin",
+        ] {
+            let refused = partner.check(&http(path, &[])).unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{path:?}");
+        }
+        assert!(partner.check(&http("/orders/7/events", &[])).is_ok());
+    }
+
+    fn with_secrets(extra: &str) -> (tempfile::NamedTempFile, HttpProvider) {
+        let secret = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(secret.path(), "s3cret").unwrap();
+        let config: ProviderConfig = toml::from_str(&format!(
+            "kind = \"http\"\nbase_url = \"http://127.0.0.1:9\"\n{}",
+            extra.replace("FILE", &secret.path().display().to_string())
+        ))
+        .unwrap();
+        let provider = HttpProvider::from_config("partner", &config).unwrap();
+        (secret, provider)
+    }
+
+    /// Issue 24: hop-by-hop and routing headers, and the provider's own
+    /// auth and signature headers, are refused; others pass.
+    #[test]
+    fn hop_by_hop_routing_and_the_providers_own_headers_are_refused() {
+        let (_secret, partner) = with_secrets(
+            "auth = { header = \"X-Api-Key\", prefix = \"\", file = \"FILE\" }\n\
+             hmac = { header = \"X-Partner-Signature\", file = \"FILE\" }",
+        );
+        let denied = DENIED_HEADERS.iter().map(|h| h.to_string()).chain(
+            [
+                "Connection",
+                "TRANSFER-ENCODING",
+                "Proxy-Authorization",
+                "Proxy-Connection",
+                "X-Forwarded-For",
+                "X-Forwarded-Host",
+                "x-forwarded-proto",
+                "X-Original-URL",
+                "X-HTTP-Method-Override",
+                "X-Api-Key",
+                "x-partner-signature",
+            ]
+            .map(str::to_string),
+        );
+        for name in denied {
+            let refused = partner
+                .check(&http("/x", &[(name.as_str(), "v")]))
+                .unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{name}");
+            assert!(
+                refused.message.contains("set by the host"),
+                "{name}: {}",
+                refused.message
+            );
+        }
+        for name in [
+            "X-Request-Id",
+            "Content-Type",
+            "Accept",
+            "X-Forwarded",
+            "Proxy",
+        ] {
+            assert!(
+                partner.check(&http("/x", &[(name, "v")])).is_ok(),
+                "{name} is the plugin's to set"
+            );
+        }
+        // Without a custom auth header, X-Api-Key is an ordinary header.
+        let plain = provider("http", "http://127.0.0.1:9");
+        assert!(plain.check(&http("/x", &[("X-Api-Key", "k")])).is_ok());
+    }
+
+    /// Control characters in a header name, a header value (tab and C1
+    /// included, which `HeaderValue` would take) and a method.
+    #[test]
+    fn control_characters_in_headers_and_methods_are_refused() {
+        let partner = provider("http", "http://127.0.0.1:9");
+        for (name, value) in [
+            ("x-a\t", "v"),
+            ("x-a\u{85}", "v"),
+            ("x-a", "v\tw"),
+            ("x-a", "v\u{85}"),
+            ("x-a", "v\u{7f}"),
+        ] {
+            let refused = partner.check(&http("/x", &[(name, value)])).unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{name:?} {value:?}");
+        }
+        for method in ["PO\tST", "POST\r\n", "POST\u{0}", "P\u{1b}OST"] {
+            let mut effect = http("/x", &[]);
+            if let Action::Http { method: m, .. } = &mut effect.action {
+                *m = method.into();
+            }
+            let refused = partner.check(&effect).unwrap_err();
+            assert_eq!(refused.code, "invalid_effect", "{method:?}");
+            assert!(!refused.message.contains('\t'), "{}", refused.message);
+        }
+        assert!(partner.check(&http("/x", &[("x-a", "v w é")])).is_ok());
     }
 
     #[test]

@@ -246,14 +246,14 @@ fn open_pool(url: &str, config: &ProviderConfig) -> Result<OtherPool, String> {
             .max_connections(size)
             .acquire_timeout(config.timeout)
             .connect_lazy(url)
-            .map_err(|e| format!("url: {e}"))?;
+            .map_err(|e| url_error(&e))?;
         Ok(OtherPool::Postgres(pool))
     } else if url.starts_with("sqlite:") {
         // The application's file as it is: not created when missing (a
         // typo would write invoices to a new empty file), its journal mode
         // left alone.
         let options = SqliteConnectOptions::from_str(url)
-            .map_err(|e| format!("url: {e}"))?
+            .map_err(|e| url_error(&e))?
             .busy_timeout(config.timeout);
         let pool = SqlitePoolOptions::new()
             .max_connections(size)
@@ -268,6 +268,16 @@ fn open_pool(url: &str, config: &ProviderConfig) -> Result<OtherPool, String> {
     }
 }
 
+/// A URL the driver refuses, as text without its password (sqlx quotes
+/// the URL in some of its configuration errors; this text is printed at
+/// start-up).
+fn url_error(error: &sqlx::Error) -> String {
+    format!("url: {}", crate::boundary::redact_urls(&error.to_string()))
+}
+
+/// A database error of the provider (its message passes the boundary's
+/// [`crate::boundary::message`] as every failure's does, so a URL in a
+/// driver's text is redacted).
 fn unavailable(provider: &str, error: &sqlx::Error) -> Failure {
     Failure::host(
         Code::SqlUnavailable,

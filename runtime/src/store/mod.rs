@@ -23,6 +23,7 @@
 //! - `statement`: operator-declared statements of `sql` effects (binding,
 //!   result reference, error classes).
 //! - `input`, `rows`: input checks and row decoding.
+//! - `upgrade`: one-time rewrites of stored rows a migration asks for.
 //!
 //! Schemas live in `migrations/sqlite` and `migrations/postgres` and are
 //! applied on connect.
@@ -38,6 +39,7 @@ mod queries;
 mod rows;
 mod sql;
 mod statement;
+mod upgrade;
 
 pub mod postgres;
 pub mod sqlite;

@@ -171,6 +171,7 @@ async fn open(options: PgConnectOptions, clock: Clock) -> Result<SqlStore> {
         .await?
         .run(&pool)
         .await?;
+    super::upgrade::run_postgres(&pool).await?;
     let mut listener = PgListener::connect_with(&pool).await?;
     listener.listen(CHANNEL).await?;
     let store = SqlStore::new(Pools::Postgres(pool), &DIALECT, clock);

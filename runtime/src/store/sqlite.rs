@@ -144,6 +144,7 @@ async fn connect_once(url: &str, clock: Clock) -> Result<SqlStore> {
         .await?
         .run(&write)
         .await?;
+    super::upgrade::run_sqlite(&write).await?;
     Ok(SqlStore::new(
         Pools::Sqlite { read, write },
         &DIALECT,
