@@ -293,3 +293,35 @@ async fn two_openers_of_a_new_file_both_succeed() {
         }
     }
 }
+
+/// The worker's pruner deletes expired dashboard sessions with the rest
+/// (`idem serve` also deletes them on each sign-in).
+#[tokio::test]
+async fn the_pruner_deletes_expired_sessions() {
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(open(&dir).await);
+    let session = |id: &str, ttl: u64| idem::store::NewSession {
+        id_digest: id.repeat(64),
+        token_fingerprint: "f".repeat(64),
+        ttl: std::time::Duration::from_secs(ttl),
+    };
+    store.session_create(session("a", 60)).await.unwrap();
+    store.session_create(session("b", 3600)).await.unwrap();
+    store
+        .clock_advance(std::time::Duration::from_secs(61))
+        .await
+        .unwrap();
+    let retention = idem::config::RetentionConfig::default();
+    let deleted = idem::queue::maintenance::prune_once(&*store, &retention)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    let fingerprints = ["f".repeat(64)];
+    assert!(
+        store
+            .session_get_live(&"b".repeat(64), &fingerprints)
+            .await
+            .unwrap()
+            .is_some()
+    );
+}

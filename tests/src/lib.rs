@@ -234,7 +234,9 @@ impl Harness {
             store: self.store.clone(),
             registry: Some(self.registry.clone()),
             providers: self.providers(),
-            token: Some(idem::ops::auth::Token::new(token).expect("token")),
+            access: Arc::new(idem::ops::auth::Access::new(Some(
+                idem::ops::auth::Tokens::new(token).expect("token"),
+            ))),
             metrics: None,
             metrics_open: false,
             replay: Arc::new(idem::ops::replay::Pacer::per_second(1000.0).expect("rate")),

@@ -580,9 +580,9 @@ both_backends!(
     malformed_requests_never_break_the_api,
 );
 
-/// The dashboard's cookie carries the token, and a browser sends it along
-/// with a form another page on the same site submits: a change made with
-/// the cookie must come from the dashboard's own origin.
+/// A browser sends the dashboard's session cookie along with a form
+/// another page on the same site submits: a change made with the cookie
+/// must come from the dashboard's own origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cookie_alone_cannot_change_anything_from_another_origin() {
     let h = Harness::new(Backend::Sqlite).await;
@@ -594,7 +594,23 @@ async fn a_cookie_alone_cannot_change_anything_from_another_origin() {
         .unwrap()
         .id;
     let host = api.base.trim_start_matches("http://").to_string();
-    let cookie = format!("idem_token={TOKEN}");
+    let signed_in = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+        .post(format!("{}/ui/login", api.base))
+        .form(&[("token", TOKEN)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(signed_in.status().as_u16(), 303);
+    let cookie = signed_in.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
     let cancel = |origin: Option<String>, site: Option<&'static str>| {
         let mut request = api
             .client

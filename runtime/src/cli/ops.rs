@@ -5,7 +5,7 @@ use super::queue::store;
 use super::{CliError, printable};
 use crate::config::Config;
 use crate::ops::api::{self, ApiState};
-use crate::ops::auth::Token;
+use crate::ops::auth::{Access, Tokens};
 use crate::ops::hosts::AllowedHosts;
 use crate::ops::preview::PreviewGate;
 use crate::ops::server::Limits;
@@ -22,9 +22,20 @@ use tokio_util::sync::CancellationToken;
 /// Options of the HTTP surface (`idem run --listen`, `idem serve`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct HttpArgs {
-    /// A file holding the API token (`IDEM_API_TOKEN` wins when set).
+    /// A file holding the API token (`IDEM_API_TOKEN` wins when set); a
+    /// second line is the previous token, still accepted during a rotation.
     #[arg(long)]
     pub api_token_file: Option<PathBuf>,
+    /// How long a dashboard sign-in lasts (its session in the store and
+    /// the cookie's Max-Age).
+    #[arg(long, value_parser = parse_session_ttl, default_value = "12h")]
+    pub session_ttl: std::time::Duration,
+    /// Believe the reverse proxy in front: the last `X-Forwarded-For` entry
+    /// is the client's address (for throttling) and `X-Forwarded-Proto:
+    /// https` makes the session cookie `__Host-` and `Secure`. Only when
+    /// every request comes through that proxy.
+    #[arg(long)]
+    pub trust_proxy: bool,
     /// Serve `/metrics` without the token (for a scraper on a trusted network).
     #[arg(long)]
     pub metrics_open: bool,
@@ -71,6 +82,8 @@ impl HttpArgs {
     pub fn metrics_only(&self) -> Self {
         HttpArgs {
             api_token_file: None,
+            session_ttl: crate::ops::auth::DEFAULT_SESSION_TTL,
+            trust_proxy: false,
             metrics_open: true,
             replay_rate: "10/s".into(),
             preview_rate: None,
@@ -109,6 +122,19 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
     }
 }
 
+/// `--session-ttl`: a duration between a minute and 30 days.
+fn parse_session_ttl(text: &str) -> Result<std::time::Duration, String> {
+    let ttl = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    let (min, max) = (
+        std::time::Duration::from_secs(60),
+        std::time::Duration::from_secs(30 * 24 * 3600),
+    );
+    if ttl < min || ttl > max {
+        return Err("a session lasts between 1m and 30days".into());
+    }
+    Ok(ttl)
+}
+
 /// Binds the HTTP address before anything else starts, so a taken port is
 /// a usage error at once.
 pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, CliError> {
@@ -130,12 +156,12 @@ pub fn start(
     worker: bool,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, CliError> {
-    let token = if args.metrics_only {
+    let tokens = if args.metrics_only {
         None
     } else {
-        Token::from_config(args.api_token_file.as_deref()).map_err(CliError::Usage)?
+        Tokens::from_config(args.api_token_file.as_deref()).map_err(CliError::Usage)?
     };
-    if token.is_none() && !args.metrics_only {
+    if tokens.is_none() && !args.metrics_only {
         eprintln!(
             "warning: no API token (IDEM_API_TOKEN or --api-token-file): only /healthz and /metrics answer; the API and the dashboard refuse every request"
         );
@@ -152,7 +178,11 @@ pub fn start(
         store,
         registry,
         providers,
-        token,
+        access: Arc::new(Access {
+            session_ttl: args.session_ttl,
+            trust_proxy: args.trust_proxy,
+            ..Access::new(tokens)
+        }),
         metrics: Some(metrics),
         metrics_open: args.metrics_open,
         replay: Arc::new(pacer),

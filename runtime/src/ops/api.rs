@@ -7,7 +7,7 @@
 //! the bearer token; errors are JSON, `{"error":{"code","message"}}`;
 //! bodies are capped; no input makes a handler panic.
 
-use super::auth::{self, Token};
+use super::auth::Access;
 use super::replay::{Pacer, ReplayRequest, replay, selected};
 use super::view::{self, JobQuery};
 use super::{OpsError, preview};
@@ -16,9 +16,9 @@ use crate::providers::Providers;
 use crate::store::{JobId, JobState, NewJob, Store};
 use axum::Router;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
-use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{StatusCode, Uri, header};
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -43,8 +43,9 @@ pub struct ApiState {
     pub registry: Option<Arc<PluginRegistry>>,
     /// The providers of this process (circuit states); empty for `idem serve`.
     pub providers: Providers,
-    /// The bearer token; without one only `/healthz` (and open metrics) answer.
-    pub token: Option<Token>,
+    /// The tokens, sessions, trusted proxy and failure throttle; without a
+    /// token only `/healthz` (and open metrics) answer.
+    pub access: Arc<Access>,
     /// The Prometheus recorder's handle, for `/metrics`.
     pub metrics: Option<PrometheusHandle>,
     /// Serve `/metrics` without the token.
@@ -193,12 +194,18 @@ pub fn router(state: ApiState) -> Router {
         // Set before the token layer, so a wrong method is still answered
         // only to a caller with the token.
         .method_not_allowed_fallback(method_not_allowed)
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            super::gate::require_token,
+        ));
     let metrics = Router::new().route("/metrics", get(prometheus));
-    let metrics = if state.metrics_open || state.token.is_none() {
+    let metrics = if state.metrics_open || state.access.tokens.is_none() {
         metrics
     } else {
-        metrics.route_layer(middleware::from_fn_with_state(state.clone(), require_token))
+        metrics.route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            super::gate::require_token,
+        ))
     };
     Router::new()
         .route("/healthz", get(healthz))
@@ -212,51 +219,6 @@ pub fn router(state: ApiState) -> Router {
         // Outermost, so every answer gets them: errors, fallbacks, redirects.
         .layer(middleware::map_response(super::headers::secure))
         .with_state(state)
-}
-
-async fn require_token(State(state): State<ApiState>, request: Request, next: Next) -> Response {
-    let Some(token) = &state.token else {
-        return ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "no API token is configured on this host: set IDEM_API_TOKEN (or --api-token-file) and restart",
-        )
-        .into_response();
-    };
-    match auth::presented(request.headers()) {
-        Some((candidate, source)) if token.matches(&candidate) => {
-            let safe = matches!(
-                *request.method(),
-                axum::http::Method::GET | axum::http::Method::HEAD
-            );
-            if source == auth::Source::Cookie && !safe && !auth::same_origin(request.headers()) {
-                return ApiError::new(
-                    StatusCode::FORBIDDEN,
-                    "cross_origin_refused",
-                    "a change made with the dashboard's cookie must come from the dashboard's own pages",
-                )
-                .into_response();
-            }
-            next.run(request).await
-        }
-        presented => {
-            if request.uri().path().starts_with("/ui") {
-                return super::ui::login_redirect(request.uri().path());
-            }
-            let message = if presented.is_some() {
-                "the token is wrong"
-            } else {
-                "send the API token: Authorization: Bearer <token>"
-            };
-            let mut response =
-                ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message).into_response();
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-            response
-        }
-    }
 }
 
 async fn not_found() -> ApiError {

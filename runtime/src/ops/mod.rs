@@ -7,7 +7,11 @@
 //! - [`view`]: the read model (queues, jobs with their timeline, dead letters by code).
 //! - [`replay`]: dead-letter replay, rate-limited, with its refusals.
 //! - [`preview`]: a dry run of the current plugin on dead jobs, its plan beside the stored one.
-//! - [`auth`]: the bearer token, compared in constant time.
+//! - [`auth`]: the tokens (rules, rotation), compared in constant time, and what a request presents.
+//! - [`session`]: dashboard sessions kept in the store; the cookie holds an opaque id.
+//! - [`client`]: the client's address and scheme (`--trust-proxy`).
+//! - [`throttle`]: failed sign-ins and wrong credentials, by client address.
+//! - [`gate`]: the check in front of every route behind the token.
 //! - [`api`]: the HTTP routes under `/api/`, `/metrics` and `/healthz`.
 //! - [`ui`]: the dashboard at `/ui`, rendered on the server.
 //! - [`assets`]: the dashboard's stylesheet and script, served from `/ui/assets/`.
@@ -20,11 +24,15 @@ pub mod api;
 pub mod assets;
 pub mod auth;
 pub mod body;
+pub mod client;
+pub mod gate;
 pub mod headers;
 pub mod hosts;
 pub mod preview;
 pub mod replay;
 pub mod server;
+pub mod session;
+pub mod throttle;
 pub mod ui;
 pub mod view;
 

@@ -1,13 +1,16 @@
 //! The dashboard at `/ui`: HTML rendered on the server from the same read
 //! model as the API, one stylesheet and a small live-counter script served
 //! from `/ui/assets/` (nothing inline, nothing from anywhere else, so the
-//! strict Content-Security-Policy of [`super::headers`] holds). Sign-in takes the API token and keeps it in an
-//! HttpOnly, SameSite=Strict cookie; every page and form then goes through
-//! the same token check as the API.
+//! strict Content-Security-Policy of [`super::headers`] holds). Sign-in
+//! takes the API token and gives the browser a session ([`super::session`]:
+//! an opaque id in an HttpOnly, SameSite=Strict cookie, never the token);
+//! every page and form then goes through the same check as the API
+//! ([`super::gate`]). Failed sign-ins are throttled by client address.
 
 use super::api::{ApiError, ApiState, MAX_REPLAY};
-use super::auth::COOKIE;
+use super::client::Caller;
 use super::replay::{ReplayRequest, replay};
+use super::session;
 use super::view::{self, JobQuery};
 use super::{OpsError, assets, preview};
 use crate::store::{JobId, JobState};
@@ -41,7 +44,7 @@ pub fn public_routes() -> Router<ApiState> {
 }
 
 /// Where an unauthenticated browser is sent.
-pub fn login_redirect(_from: &str) -> Response {
+pub fn login_redirect() -> Response {
     Redirect::to("/ui/login").into_response()
 }
 
@@ -158,8 +161,22 @@ fn login_form(error: Option<&str>) -> Response {
 
 async fn login(
     State(state): State<ApiState>,
+    caller: Caller,
     form: Result<Form<LoginForm>, axum::extract::rejection::FormRejection>,
 ) -> Response {
+    let access = &state.access;
+    if let Err(wait) = access.throttle.check(caller.address) {
+        let secs = super::throttle::retry_after_secs(wait);
+        let mut response = (
+            StatusCode::TOO_MANY_REQUESTS,
+            login_form(Some(&format!(
+                "Too many failed sign-ins from your address. Try again in {secs} seconds."
+            ))),
+        )
+            .into_response();
+        super::gate::with_retry_after(&mut response, secs);
+        return response;
+    }
     let Ok(Form(form)) = form else {
         return (
             StatusCode::BAD_REQUEST,
@@ -167,32 +184,45 @@ async fn login(
         )
             .into_response();
     };
-    let valid = state
-        .token
-        .as_ref()
-        .is_some_and(|token| token.matches(&form.token));
-    // A cookie value cannot hold every byte; such a token is not ours anyway.
-    let cookie_safe = form
-        .token
-        .trim()
-        .bytes()
-        .all(|b| b.is_ascii_graphic() && b != b';' && b != b',' && b != b'"' && b != b'\\');
-    if !valid || !cookie_safe {
+    let Some(tokens) = &access.tokens else {
+        return (
+            StatusCode::UNAUTHORIZED,
+            login_form(Some(
+                "No API token is configured on this host: set IDEM_API_TOKEN and restart.",
+            )),
+        )
+            .into_response();
+    };
+    let Some(token) = tokens.matching(&form.token) else {
+        access.throttle.failed(caller.address);
         return (
             StatusCode::UNAUTHORIZED,
             login_form(Some("That token is not this host's API token.")),
         )
             .into_response();
+    };
+    match session::start(&*state.store, token, access.session_ttl).await {
+        Ok(id) => {
+            let cookie = session::set_cookie(&id, caller.https, access.session_ttl);
+            ([(header::SET_COOKIE, cookie)], Redirect::to("/ui")).into_response()
+        }
+        Err(error) => error_page(error.into()),
     }
-    let cookie = format!(
-        "{COOKIE}={}; Path=/; HttpOnly; SameSite=Strict; Max-Age=43200",
-        form.token.trim()
-    );
-    ([(header::SET_COOKIE, cookie)], Redirect::to("/ui")).into_response()
 }
 
-async fn logout() -> Response {
-    let cookie = format!("{COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
+/// Signs the session out in the store (so no node accepts its cookie any
+/// more) and has the browser drop the cookie.
+async fn logout(
+    State(state): State<ApiState>,
+    caller: Caller,
+    current: Option<axum::Extension<session::Current>>,
+) -> Response {
+    if let Some(axum::Extension(session::Current(id))) = current
+        && let Err(error) = session::end(&*state.store, &id).await
+    {
+        return error_page(error.into());
+    }
+    let cookie = session::clear_cookie(caller.https);
     ([(header::SET_COOKIE, cookie)], Redirect::to("/ui/login")).into_response()
 }
 

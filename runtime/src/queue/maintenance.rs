@@ -43,7 +43,8 @@ pub async fn rescue_once(
     Ok(total)
 }
 
-/// Prunes finished jobs and old effect-ledger rows once; returns rows deleted.
+/// Prunes finished jobs, old effect-ledger rows and expired dashboard
+/// sessions once; returns rows deleted.
 pub async fn prune_once(
     store: &dyn Store,
     retention: &crate::config::RetentionConfig,
@@ -69,6 +70,13 @@ pub async fn prune_once(
                 limit: BATCH,
             })
             .await?;
+        total += deleted;
+        if deleted < BATCH as u64 {
+            break;
+        }
+    }
+    loop {
+        let deleted = store.session_delete_expired(BATCH).await?;
         total += deleted;
         if deleted < BATCH as u64 {
             break;

@@ -674,6 +674,28 @@ impl Store for GroupCommit {
     async fn clock_advance(&self, by: Duration) -> Result<()> {
         self.inner.clock_advance(by).await
     }
+
+    async fn session_create(&self, session: super::NewSession) -> Result<super::Session> {
+        self.inner.session_create(session).await
+    }
+
+    async fn session_get_live(
+        &self,
+        id_digest: &str,
+        token_fingerprints: &[String],
+    ) -> Result<Option<super::Session>> {
+        self.inner
+            .session_get_live(id_digest, token_fingerprints)
+            .await
+    }
+
+    async fn session_revoke(&self, id_digest: &str) -> Result<bool> {
+        self.inner.session_revoke(id_digest).await
+    }
+
+    async fn session_delete_expired(&self, limit: u32) -> Result<u64> {
+        self.inner.session_delete_expired(limit).await
+    }
 }
 
 #[cfg(test)]

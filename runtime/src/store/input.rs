@@ -2,7 +2,7 @@
 
 use super::{
     EffectChange, EffectClaimParams, EffectStatus, ErrorRecord, JobChange, MAX_PAYLOAD_BYTES,
-    NewJob, Result, StoreError, Write,
+    NewJob, NewSession, Result, StoreError, Write,
 };
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -72,6 +72,34 @@ pub(crate) fn insertable(job: NewJob) -> Result<Insertable> {
 /// A duration in milliseconds, capped at [`MAX_DURATION_MS`].
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).map_or(MAX_DURATION_MS, |ms| ms.min(MAX_DURATION_MS))
+}
+
+/// A SHA-256 digest as the `sessions` table keeps it: 64 lowercase hex
+/// digits (`what` names it in the refusal).
+pub(crate) fn check_digest(what: &str, digest: &str) -> Result<()> {
+    if digest.len() == 64
+        && digest
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    {
+        Ok(())
+    } else {
+        Err(StoreError::Invalid(format!(
+            "{what} must be a SHA-256 digest in 64 lowercase hex digits"
+        )))
+    }
+}
+
+/// Checks a session before it is stored.
+pub(crate) fn check_session(session: &NewSession) -> Result<()> {
+    check_digest("a session's id digest", &session.id_digest)?;
+    check_digest("a session's token fingerprint", &session.token_fingerprint)?;
+    if session.ttl < Duration::from_secs(1) {
+        return Err(StoreError::Invalid(
+            "a session must live at least a second".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The JSON stored for one error record (its `at_ms` is replaced by the

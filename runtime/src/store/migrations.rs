@@ -33,6 +33,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     4 => "0004_unknown_outcomes.sql",
     5 => "0005_fewer_index_writes.sql",
     6 => "0006_started_attempts.sql",
+    7 => "0007_sessions.sql",
     8 => "0008_redact_error_urls.sql",
 );
 
@@ -45,6 +46,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     5 => "0005_notify_per_statement.sql",
     6 => "0006_fewer_index_writes.sql",
     7 => "0007_started_attempts.sql",
+    8 => "0008_sessions.sql",
     9 => "0009_redact_error_urls.sql",
 );
 

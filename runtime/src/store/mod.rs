@@ -167,6 +167,29 @@ pub trait Store: Send + Sync + 'static {
     /// [`Clock::Adjustable`].
     async fn clock_advance(&self, by: Duration) -> Result<()>;
 
+    /// Stores a dashboard session; it expires `ttl` after now by the
+    /// store's clock. Refused ([`StoreError::Invalid`]) unless both digests
+    /// are 64 lowercase hex digits and `ttl` is at least a second.
+    async fn session_create(&self, session: NewSession) -> Result<Session>;
+
+    /// The session with this id digest if it is live: not revoked, not
+    /// expired by the store's clock, and made with a token whose
+    /// fingerprint is one of `token_fingerprints` (the tokens configured
+    /// now, so a changed token ends its sessions).
+    async fn session_get_live(
+        &self,
+        id_digest: &str,
+        token_fingerprints: &[String],
+    ) -> Result<Option<Session>>;
+
+    /// Signs a session out (for every node sharing the store); `false` when
+    /// there is no such session or it was already revoked.
+    async fn session_revoke(&self, id_digest: &str) -> Result<bool>;
+
+    /// Deletes sessions past their expiry (revoked or not), at most
+    /// `limit`; returns rows deleted.
+    async fn session_delete_expired(&self, limit: u32) -> Result<u64>;
+
     /// Runs an operator-declared statement and marks the claimed effect
     /// succeeded, with the statement's first returned column as its
     /// `result_ref`, in **one** transaction of the store's own database: a

@@ -314,6 +314,34 @@ pub struct EffectPruneParams {
     pub limit: u32,
 }
 
+/// A dashboard session to store ([`Store::session_create`](super::Store::session_create)).
+/// The store keeps digests only: the random id the cookie carries and the
+/// token the session was made with never reach it.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    /// SHA-256 of the session id, 64 lowercase hex digits.
+    pub id_digest: String,
+    /// Fingerprint of the token that signed in, 64 lowercase hex digits.
+    pub token_fingerprint: String,
+    /// How long the session lives from now (by the store's clock).
+    pub ttl: Duration,
+}
+
+/// A stored dashboard session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    /// SHA-256 of the session id.
+    pub id_digest: String,
+    /// Fingerprint of the token that signed in.
+    pub token_fingerprint: String,
+    /// When it was made (ms, store clock).
+    pub created_at: i64,
+    /// When it ends (ms, store clock).
+    pub expires_at: i64,
+    /// When it was signed out, if it was.
+    pub revoked_at: Option<i64>,
+}
+
 /// Counts for metrics and `--exit-when-drained`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QueueStats {

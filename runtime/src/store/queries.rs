@@ -18,6 +18,8 @@ const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, a
     lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at, \
     reached, in_doubt, first_sent_at";
 
+const SESSION_COLS: &str = "id_digest, token_fingerprint, created_at, expires_at, revoked_at";
+
 /// The conflict target of an insert into `jobs`: the unique index of keyed
 /// jobs (partial, so its predicate is named).
 const KEY_CONFLICT: &str = "(plugin, idempotency_key) WHERE idempotency_key IS NOT NULL";
@@ -110,6 +112,10 @@ pub(crate) struct Queries {
     pub effect_get: String,
     pub effect_list: String,
     pub clock_advance: String,
+    pub session_insert: String,
+    pub session_live: String,
+    pub session_revoke: String,
+    pub sessions_prune: String,
 }
 
 /// How `now` is read.
@@ -632,6 +638,21 @@ impl Queries {
                 "SELECT {effect_cols} FROM effects WHERE job_id = $1 ORDER BY created_at, key",
             ),
             clock_advance: x("UPDATE idem_clock SET offset_ms = offset_ms + $1 WHERE id = 1"),
+            session_insert: x(&format!(
+                "INSERT INTO sessions (id_digest, token_fingerprint, created_at, expires_at) \
+                 VALUES ($1, $2, {{now}}, {{now}} + $3) RETURNING {SESSION_COLS}"
+            )),
+            session_live: x(&format!(
+                "SELECT {SESSION_COLS} FROM sessions \
+                 WHERE id_digest = $1 AND revoked_at IS NULL AND expires_at > {{now}} \
+                   AND token_fingerprint IN ({fingerprints})",
+                fingerprints = (d.text_list)("$2"),
+            )),
+            session_revoke: x(
+                "UPDATE sessions SET revoked_at = {now} WHERE id_digest = $1 AND revoked_at IS NULL",
+            ),
+            sessions_prune: x("DELETE FROM sessions WHERE id_digest IN \
+                 (SELECT id_digest FROM sessions WHERE expires_at <= {now} LIMIT $1)"),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Decoding rows, the same for every backend.
 
 use super::{
-    EffectClaim, EffectRecord, EffectStatus, ErrorRecord, Job, JobId, JobState, Result, StoreError,
+    EffectClaim, EffectRecord, EffectStatus, ErrorRecord, Job, JobId, JobState, Result, Session,
+    StoreError,
 };
 use crate::failure::Code;
 use sqlx::{ColumnIndex, Decode, Row, Type};
@@ -123,6 +124,24 @@ where
 }
 
 /// Decodes a state name read by a count query.
+/// A `sessions` row.
+pub(crate) fn session_from_row<'r, R>(row: &'r R) -> Result<Session>
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    Option<i64>: Decode<'r, R::Database> + Type<R::Database>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(Session {
+        id_digest: get(row, "id_digest")?,
+        token_fingerprint: get(row, "token_fingerprint")?,
+        created_at: get(row, "created_at")?,
+        expires_at: get(row, "expires_at")?,
+        revoked_at: get(row, "revoked_at")?,
+    })
+}
+
 pub(crate) fn parse_state(text: &str) -> Result<JobState> {
     JobState::parse(text).ok_or_else(|| StoreError::Corrupt(format!("unknown job state {text:?}")))
 }

@@ -1302,6 +1302,62 @@ impl Store for SqlStore {
         let _ = tokio::time::timeout(timeout, self.notify.notified()).await;
     }
 
+    async fn session_create(&self, session: NewSession) -> Result<Session> {
+        input::check_session(&session)?;
+        with_db!(self, |_read, write| {
+            let row = sqlx::query(&self.q.session_insert)
+                .bind(&session.id_digest)
+                .bind(&session.token_fingerprint)
+                .bind(input::millis(session.ttl))
+                .fetch_one(write)
+                .await?;
+            rows::session_from_row(&row)
+        })
+    }
+
+    async fn session_get_live(
+        &self,
+        id_digest: &str,
+        token_fingerprints: &[String],
+    ) -> Result<Option<Session>> {
+        input::check_digest("a session's id digest", id_digest)?;
+        if token_fingerprints.is_empty() {
+            return Ok(None);
+        }
+        with_db!(self, |read, _write| {
+            let row = sqlx::query(&self.q.session_live)
+                .bind(id_digest)
+                .bind(strings_json(token_fingerprints))
+                .fetch_optional(read)
+                .await?;
+            row.as_ref().map(rows::session_from_row).transpose()
+        })
+    }
+
+    async fn session_revoke(&self, id_digest: &str) -> Result<bool> {
+        input::check_digest("a session's id digest", id_digest)?;
+        with_db!(self, |_read, write| {
+            let result = sqlx::query(&self.q.session_revoke)
+                .bind(id_digest)
+                .execute(write)
+                .await?;
+            Ok(result.rows_affected() > 0)
+        })
+    }
+
+    async fn session_delete_expired(&self, limit: u32) -> Result<u64> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        with_db!(self, |_read, write| {
+            let result = sqlx::query(&self.q.sessions_prune)
+                .bind(i64::from(limit))
+                .execute(write)
+                .await?;
+            Ok(result.rows_affected())
+        })
+    }
+
     async fn clock_advance(&self, by: Duration) -> Result<()> {
         if self.clock != Clock::Adjustable {
             return Err(StoreError::Invalid(

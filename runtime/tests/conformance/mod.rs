@@ -14,6 +14,7 @@
 //! - [`effects`]: the effect ledger.
 //! - [`batch`]: batched writes and the group commit's buffer.
 //! - [`statements`]: `sql` effects on the store's own database.
+//! - [`sessions`]: dashboard sessions (expiry, sign-out, token change).
 //! - [`model`]: random interleavings of the job state machine against a
 //!   reference model.
 
@@ -24,6 +25,7 @@ pub mod effects;
 pub mod insert;
 pub mod lifecycle;
 pub mod model;
+pub mod sessions;
 pub mod statements;
 
 use futures::future::BoxFuture;
@@ -150,6 +152,10 @@ macro_rules! conformance_suite {
             statements::statement_the_database_cannot_run_is_permanent,
             statements::statement_past_its_timeout_is_rolled_back_and_retryable,
             model::job_state_machine_follows_the_model,
+            sessions::session_lives_until_its_expiry_by_the_store_clock,
+            sessions::session_revoked_is_not_live,
+            sessions::session_needs_a_configured_token,
+            sessions::session_input_is_checked,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
