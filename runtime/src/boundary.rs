@@ -154,11 +154,28 @@ pub const REDACTED_PATH: &str = "/\u{2026}";
 /// What replaces a URL's user name and password in [`redact_urls`].
 pub const REDACTED_USERINFO: &str = "\u{2026}@";
 
-/// Characters that end a URL in prose: whitespace, control characters,
-/// quotes, angle brackets and the backslash of an escaped quote.
-fn ends_url(c: char) -> bool {
-    c.is_whitespace() || c.is_control() || matches!(c, '"' | '\'' | '<' | '>' | '`' | '\\')
+/// Where a URL starting at `text[0]` ends in prose: at whitespace, a
+/// control character, a double quote, an angle bracket, a backtick, or the
+/// backslash of an escaped quote (`\"` in JSON text). A single quote or a
+/// lone backslash does not end it: both are valid in a URL's path (a
+/// parser reads `\\` as `/`), and stopping there would show the rest.
+fn url_end(text: &str) -> usize {
+    let mut chars = text.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        let escaped_quote = c == '\\' && matches!(chars.peek(), Some((_, '"')) | Some((_, '\'')));
+        if c.is_whitespace()
+            || c.is_control()
+            || matches!(c, '"' | '<' | '>' | '`')
+            || escaped_quote
+        {
+            return i;
+        }
+    }
+    text.len()
 }
+
+/// Where a URL's host (and port) ends after its userinfo.
+const HOST_ENDS: &[char] = &['/', '?', '#', '\\', ';'];
 
 /// Punctuation at the end of a URL that belongs to the sentence around it
 /// (`for url (https://host/path)`, `see https://host/path.`), kept after
@@ -174,8 +191,12 @@ fn is_scheme_byte(b: u8) -> bool {
 /// kept: `https://user:pw@host:8443/hook/T0?api_key=S` becomes
 /// `https://…@host:8443/…`. A URL without userinfo whose path is empty or
 /// `/` is kept as it is. A URL ends at whitespace, a control character, a
-/// quote, `<`, `>` or `\`; closing punctuation at its end (`)` `.` `,` ...)
-/// is kept after the redacted path. Redacting twice changes nothing.
+/// double quote, `<`, `>`, a backtick or an escaped quote (`\"`, JSON
+/// text); closing punctuation at its end (`)` `.` `,` ...) is kept after
+/// the redacted path. Everything before the URL's **last** `@` is userinfo
+/// (a password may hold `/`, `?` or `#`), and the host ends at `/`, `?`,
+/// `#`, `\\` (a parser reads it as `/`) or `;`, so the host shown is never
+/// part of a path or a password. Redacting twice changes nothing.
 ///
 /// Provider URLs often carry a credential (a webhook's secret path, an
 /// `?api_key=`, a database password), and error texts (reqwest's
@@ -214,15 +235,15 @@ pub fn redact_urls(text: &str) -> std::borrow::Cow<'_, str> {
             search = after;
             continue;
         }
-        let end = text[after..]
-            .find(ends_url)
-            .map_or(text.len(), |i| after + i);
+        let end = after + url_end(&text[after..]);
         let url = &text[after..end];
-        let (authority, tail) = url.split_at(url.find(['/', '?', '#']).unwrap_or(url.len()));
-        let (userinfo, host) = match authority.rfind('@') {
-            Some(at) => (true, &authority[at + 1..]),
-            None => (false, authority),
+        // The last `@` of the whole URL: a password may hold `/`, `?`, `#`
+        // (unencoded), and a path holding `@` is then hidden too.
+        let (userinfo, rest) = match url.rfind('@') {
+            Some(at) => (true, &url[at + 1..]),
+            None => (false, url),
         };
+        let (host, tail) = rest.split_at(rest.find(HOST_ENDS).unwrap_or(rest.len()));
         let path = tail.trim_end_matches(SENTENCE_PUNCTUATION);
         let punctuation = &tail[path.len()..];
         out.push_str(&text[copied..after]);
@@ -547,6 +568,28 @@ mod tests {
             ("", ""),
             // A scheme glued to earlier text starts at its first letter.
             ("x1+http://h/SECRET", "x1+http://h/\u{2026}"),
+            // A password holding `#`, `?` or `/` unencoded, and a path
+            // holding `@`: all before the last `@` is hidden.
+            (
+                "postgres://app:pa#SECRET@db:5432/billing",
+                "postgres://\u{2026}@db:5432/\u{2026}",
+            ),
+            ("amqp://u:a/b?SECRET@mq/v", "amqp://\u{2026}@mq/\u{2026}"),
+            ("https://h/T0/SECRET@x", "https://\u{2026}@x"),
+            // A backslash (a parser reads `/`), a `;` and a single quote do
+            // not end the URL or its host.
+            (
+                "https://hooks.example\\T0\\SECRET",
+                "https://hooks.example/\u{2026}",
+            ),
+            (
+                "https://hooks.example;SECRET",
+                "https://hooks.example/\u{2026}",
+            ),
+            (
+                "https://hooks.example/T0'SECRET",
+                "https://hooks.example/\u{2026}",
+            ),
             // Tabs and newlines end a URL (a message keeps them).
             (
                 "https://h/SECRET\nnext line",

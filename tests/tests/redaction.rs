@@ -218,6 +218,64 @@ async fn error_records_stored_before_the_redaction_are_redacted_at_open(backend:
     assert_eq!(pending, 0, "the task is done once");
 }
 
+/// A node opens a SQLite file with the redaction pending while another node
+/// is in the middle of a write: the pass waits for the write lock and the
+/// node opens. (A deferred transaction read first, its snapshot went stale
+/// when the other node committed, and its write failed at once with
+/// `database is locked`: the node did not start.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_opening_a_sqlite_file_while_another_writes_still_redacts_and_opens() {
+    use sqlx::Connection;
+    let h = Harness::new(Backend::Sqlite).await;
+    let jobs = (0..100)
+        .map(|i| NewJob::new("noop", format!("{{\"i\":{i}}}").into_bytes()))
+        .collect();
+    h.store.job_insert_many(jobs).await.unwrap();
+    let mut other_node = sqlx::SqliteConnection::connect(&h.url).await.unwrap();
+    sqlx::query(
+        "UPDATE jobs SET state = 'dead', last_error_code = 'provider_unreachable', \
+         last_error_message = $1",
+    )
+    .bind(format!(
+        "for url (https://hooks.example/T0/{SECRET_PATH}?api_key={SECRET_KEY})"
+    ))
+    .execute(&mut other_node)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO idem_upgrade_tasks (name) VALUES ('redact_error_urls')")
+        .execute(&mut other_node)
+        .await
+        .unwrap();
+    // The other node's write is under way when this node opens ...
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut other_node)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE jobs SET priority = 1 WHERE id = 1")
+        .execute(&mut other_node)
+        .await
+        .unwrap();
+    let url = h.url.clone();
+    let opening =
+        tokio::spawn(async move { idem::store::open(&url, Clock::Adjustable).await.map(|_| ()) });
+    // ... and commits while the pass waits for the lock (real time: two
+    // connections to one file, no clock to move).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sqlx::query("COMMIT")
+        .execute(&mut other_node)
+        .await
+        .unwrap();
+    opening.await.unwrap().expect("the node opens the store");
+    let left: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM jobs WHERE last_error_message LIKE '%' || $1 || '%'",
+    )
+    .bind(SECRET_KEY)
+    .fetch_one(&mut other_node)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "every row redacted");
+}
+
 both_backends!(
     a_failing_providers_secret_url_is_shown_nowhere,
     error_records_stored_before_the_redaction_are_redacted_at_open,

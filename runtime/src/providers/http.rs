@@ -23,7 +23,7 @@ const MAX_RESPONSE: usize = 64 << 10;
 /// or rewrites by them (`X-Original-URL` reaches a path the base URL does
 /// not allow; `X-Forwarded-For` forges the client address an allow-list
 /// trusts; a method override turns the POST into a DELETE).
-pub const DENIED_HEADERS: [&str; 17] = [
+pub const DENIED_HEADERS: [&str; 24] = [
     "authorization",
     "idempotency-key",
     "x-idem-signature",
@@ -41,6 +41,13 @@ pub const DENIED_HEADERS: [&str; 17] = [
     "x-real-ip",
     "x-http-method-override",
     "x-method-override",
+    "x-http-method",
+    "x-forwarded",
+    "client-ip",
+    "true-client-ip",
+    "x-client-ip",
+    "x-cluster-client-ip",
+    "cf-connecting-ip",
 ];
 
 /// Prefixes of header names a plugin may not set (`Proxy-Authorization`,
@@ -126,14 +133,16 @@ impl HttpProvider {
     /// [`DENIED_HEADERS`] or [`DENIED_HEADER_PREFIXES`], nor this provider's
     /// auth or signature header.
     fn refuse_denied_header(&self, name: &str) -> Result<(), Failure> {
-        let lowered = name.to_ascii_lowercase();
+        // `_` compared as `-`: CGI-style servers (WSGI, PHP) map both to
+        // the same variable, so `X_Forwarded_For` is `X-Forwarded-For` there.
+        let lowered = name.to_ascii_lowercase().replace('_', "-");
         let own = [
             self.auth.as_ref().map(|a| &a.0),
             self.hmac.as_ref().map(|h| &h.0),
         ]
         .into_iter()
         .flatten()
-        .any(|header| header.as_str() == lowered);
+        .any(|header| header.as_str().replace('_', "-") == lowered);
         let denied = own
             || DENIED_HEADERS.contains(&lowered.as_str())
             || DENIED_HEADER_PREFIXES
@@ -403,7 +412,26 @@ impl Base {
             return Err(leaves());
         }
         let query = match (self.query.as_deref(), query) {
-            (Some(base), Some(own)) if !own.is_empty() => Some(format!("{base}&{own}")),
+            (Some(base), Some(own)) if !own.is_empty() => {
+                // A parameter of the base (an account, a key) cannot be
+                // given again: servers where the last value wins would
+                // take the plugin's.
+                let keys = |q: &str| -> std::collections::BTreeSet<String> {
+                    url::form_urlencoded::parse(q.as_bytes())
+                        .map(|(k, _)| k.into_owned())
+                        .collect()
+                };
+                if let Some(key) = keys(base).intersection(&keys(own)).next() {
+                    return Err(Failure::host(
+                        Code::InvalidEffect,
+                        format!(
+                            "the query parameter {} is set by the provider's base URL",
+                            crate::boundary::shown(key)
+                        ),
+                    ));
+                }
+                Some(format!("{base}&{own}"))
+            }
             (Some(base), _) => Some(base.to_string()),
             (None, own) => own.map(str::to_string),
         };
@@ -730,6 +758,11 @@ mod tests {
             "/../v10",
             "/../../..",
             "/x#fragment",
+            // The base's own parameter given again (last value wins on
+            // many servers), plain or encoded.
+            "/o?api_key=evil",
+            "/o?page=2&api%5Fkey=evil",
+            "/o?api_key",
         ] {
             let refused = base.join(path).unwrap_err();
             assert_eq!(refused.code, "invalid_effect", "{path:?}");
@@ -816,6 +849,13 @@ mod tests {
                 "X-HTTP-Method-Override",
                 "X-Api-Key",
                 "x-partner-signature",
+                // Underscores read as dashes by CGI-style servers.
+                "X_Forwarded_For",
+                "x_original_url",
+                "X_Api_Key",
+                "Transfer_Encoding",
+                "Client-IP",
+                "True-Client-IP",
             ]
             .map(str::to_string),
         );
@@ -834,7 +874,7 @@ mod tests {
             "X-Request-Id",
             "Content-Type",
             "Accept",
-            "X-Forwarded",
+            "X_Request_Id",
             "Proxy",
         ] {
             assert!(

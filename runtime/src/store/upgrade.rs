@@ -16,6 +16,7 @@
 //!   the migration would be a second definition of the rule, and SQLite
 //!   has none.)
 
+use super::dialect::WritePool;
 use super::error::Result;
 use sqlx::{PgPool, SqlitePool};
 
@@ -53,98 +54,87 @@ fn redacted(message: Option<&str>, errors: &str) -> Option<(Option<String>, Stri
     changed.then_some((new_message, new_errors))
 }
 
-/// Runs the pending tasks on a PostgreSQL store.
-pub(crate) async fn run_postgres(pool: &PgPool) -> Result<()> {
-    let pending: Option<String> =
-        sqlx::query_scalar("SELECT name FROM idem_upgrade_tasks WHERE name = $1")
-            .bind(REDACT_ERROR_URLS)
-            .fetch_optional(pool)
-            .await?;
-    if pending.is_none() {
-        return Ok(());
-    }
-    let mut after = 0_i64;
-    loop {
-        let mut tx = pool.begin().await?;
-        let rows: Vec<(i64, Option<String>, String)> = sqlx::query_as(
-            "SELECT id, last_error_message, errors::text FROM jobs \
+/// The statements of the redaction pass in one dialect.
+struct RedactSql {
+    /// Jobs after `$1` whose messages may hold a URL, `$2` at most, locked
+    /// where the dialect can (SQLite's one writer needs no lock).
+    select: &'static str,
+    /// Sets `last_error_message = $2, errors = $3` of job `$1`.
+    update: &'static str,
+}
+
+const POSTGRES_SQL: RedactSql = RedactSql {
+    select: "SELECT id, last_error_message, errors::text FROM jobs \
              WHERE id > $1 AND (last_error_message LIKE '%://%' OR errors::text LIKE '%://%') \
              ORDER BY id LIMIT $2 FOR UPDATE",
-        )
-        .bind(after)
-        .bind(BATCH)
-        .fetch_all(&mut *tx)
-        .await?;
-        for (id, message, errors) in &rows {
-            if let Some((message, errors)) = redacted(message.as_deref(), errors) {
-                sqlx::query(
-                    "UPDATE jobs SET last_error_message = $2, errors = $3::jsonb WHERE id = $1",
-                )
-                .bind(id)
-                .bind(message)
-                .bind(errors)
-                .execute(&mut *tx)
+    update: "UPDATE jobs SET last_error_message = $2, errors = $3::jsonb WHERE id = $1",
+};
+
+const SQLITE_SQL: RedactSql = RedactSql {
+    select: "SELECT id, last_error_message, errors FROM jobs \
+             WHERE id > $1 AND (last_error_message LIKE '%://%' OR errors LIKE '%://%') \
+             ORDER BY id LIMIT $2",
+    update: "UPDATE jobs SET last_error_message = $2, errors = $3 WHERE id = $1",
+};
+
+/// The task, written once for both pools (their types differ, the steps
+/// do not): batches of [`BATCH`] jobs in their own transactions, then the
+/// task's row deleted.
+macro_rules! redact_error_urls {
+    ($pool:expr, $sql:expr) => {{
+        let pending: Option<String> =
+            sqlx::query_scalar("SELECT name FROM idem_upgrade_tasks WHERE name = $1")
+                .bind(REDACT_ERROR_URLS)
+                .fetch_optional($pool)
                 .await?;
+        if pending.is_none() {
+            return Ok(());
+        }
+        let mut after = 0_i64;
+        loop {
+            // A write transaction from its first statement (SQLite's
+            // `BEGIN IMMEDIATE`): a deferred one that reads, then writes,
+            // fails at once with SQLITE_BUSY when another node writes,
+            // instead of waiting its turn, and the store would not open.
+            let mut tx = $pool.begin_write().await?;
+            let rows: Vec<(i64, Option<String>, String)> = sqlx::query_as($sql.select)
+                .bind(after)
+                .bind(BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
+            for (id, message, errors) in &rows {
+                if let Some((message, errors)) = redacted(message.as_deref(), errors) {
+                    sqlx::query($sql.update)
+                        .bind(id)
+                        .bind(message)
+                        .bind(errors)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
+            tx.commit().await?;
+            match rows.last() {
+                Some((id, ..)) if rows.len() as i64 == BATCH => after = *id,
+                _ => break,
             }
         }
-        tx.commit().await?;
-        match rows.last() {
-            Some((id, ..)) if rows.len() as i64 == BATCH => after = *id,
-            _ => break,
-        }
-    }
-    sqlx::query("DELETE FROM idem_upgrade_tasks WHERE name = $1")
-        .bind(REDACT_ERROR_URLS)
-        .execute(pool)
-        .await?;
-    tracing::info!("stored error messages: provider URLs redacted");
-    Ok(())
+        sqlx::query("DELETE FROM idem_upgrade_tasks WHERE name = $1")
+            .bind(REDACT_ERROR_URLS)
+            .execute($pool)
+            .await?;
+        tracing::info!("stored error messages: provider URLs redacted");
+        Ok(())
+    }};
+}
+
+/// Runs the pending tasks on a PostgreSQL store.
+pub(crate) async fn run_postgres(pool: &PgPool) -> Result<()> {
+    redact_error_urls!(pool, POSTGRES_SQL)
 }
 
 /// Runs the pending tasks on a SQLite store (on its one writer).
 pub(crate) async fn run_sqlite(pool: &SqlitePool) -> Result<()> {
-    let pending: Option<String> =
-        sqlx::query_scalar("SELECT name FROM idem_upgrade_tasks WHERE name = $1")
-            .bind(REDACT_ERROR_URLS)
-            .fetch_optional(pool)
-            .await?;
-    if pending.is_none() {
-        return Ok(());
-    }
-    let mut after = 0_i64;
-    loop {
-        let mut tx = pool.begin().await?;
-        let rows: Vec<(i64, Option<String>, String)> = sqlx::query_as(
-            "SELECT id, last_error_message, errors FROM jobs \
-             WHERE id > $1 AND (last_error_message LIKE '%://%' OR errors LIKE '%://%') \
-             ORDER BY id LIMIT $2",
-        )
-        .bind(after)
-        .bind(BATCH)
-        .fetch_all(&mut *tx)
-        .await?;
-        for (id, message, errors) in &rows {
-            if let Some((message, errors)) = redacted(message.as_deref(), errors) {
-                sqlx::query("UPDATE jobs SET last_error_message = $2, errors = $3 WHERE id = $1")
-                    .bind(id)
-                    .bind(message)
-                    .bind(errors)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-        }
-        tx.commit().await?;
-        match rows.last() {
-            Some((id, ..)) if rows.len() as i64 == BATCH => after = *id,
-            _ => break,
-        }
-    }
-    sqlx::query("DELETE FROM idem_upgrade_tasks WHERE name = $1")
-        .bind(REDACT_ERROR_URLS)
-        .execute(pool)
-        .await?;
-    tracing::info!("stored error messages: provider URLs redacted");
-    Ok(())
+    redact_error_urls!(pool, SQLITE_SQL)
 }
 
 #[cfg(test)]
