@@ -25,7 +25,13 @@ enum SessionError {
     ConnectTimeout,
     #[error("an acknowledgement was refused: the channel closed")]
     AckRefused,
+    #[error("the broker did not answer the liveness probe within 10 s")]
+    ProbeTimeout,
 }
+
+/// How long the periodic probe of the queue (its depth, for the lag
+/// metric) may take before the session is taken for dead.
+const LIVENESS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs the source until `stop`, reconnecting with backoff.
 pub async fn run(store: Arc<dyn Store>, source: Source, stop: CancellationToken) {
@@ -122,11 +128,19 @@ async fn session(
                 return Ok(());
             }
             _ = lag_tick.tick() => {
-                if let Ok(q) = lag_channel
-                    .queue_declare(queue.as_str().into(), QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() }, FieldTable::default())
-                    .await
-                {
-                    crate::metrics::source_lag(&source.name, u64::from(q.message_count()));
+                // Also the session's liveness probe: a connection cut under
+                // the consumer does not always end its stream, and a source
+                // waiting on it would never reconnect. A probe that fails
+                // or hangs ends the session (the next one reconnects).
+                let probe = lag_channel.queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() },
+                    FieldTable::default(),
+                );
+                match tokio::time::timeout(LIVENESS_TIMEOUT, probe).await {
+                    Ok(Ok(q)) => crate::metrics::source_lag(&source.name, u64::from(q.message_count())),
+                    Ok(Err(error)) => return Err(SessionError::Broker(error)),
+                    Err(_) => return Err(SessionError::ProbeTimeout),
                 }
                 continue;
             }
