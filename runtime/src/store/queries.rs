@@ -651,8 +651,12 @@ impl Queries {
             session_revoke: x(
                 "UPDATE sessions SET revoked_at = {now} WHERE id_digest = $1 AND revoked_at IS NULL",
             ),
-            sessions_prune: x("DELETE FROM sessions WHERE id_digest IN \
-                 (SELECT id_digest FROM sessions WHERE expires_at <= {now} LIMIT $1)"),
+            // The expiry checked again outside the subquery (READ COMMITTED
+            // re-checks only the target row's own conditions).
+            sessions_prune: x(
+                "DELETE FROM sessions WHERE expires_at <= {now} AND id_digest IN \
+                 (SELECT id_digest FROM sessions WHERE expires_at <= {now} LIMIT $1)",
+            ),
         }
     }
 }
