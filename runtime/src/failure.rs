@@ -82,6 +82,12 @@ pub enum Code {
     AmbiguousNotRetried,
     /// An earlier try may have reached a provider that cannot dedupe: not sent again.
     MayNotResend,
+    /// A provider could not be asked whether it applied a key now (down,
+    /// rate limited, timed out): asked again later.
+    LookupUnavailable,
+    /// A provider's answer to a lookup fits neither "applied" nor "not
+    /// applied" (or it offers no lookup).
+    LookupUnanswerable,
     /// An earlier try may have reached the provider longer ago than its dedupe window.
     DedupeWindowPassed,
     /// The job was deferred for longer than `max_deferral`.
@@ -161,6 +167,8 @@ impl Code {
         Code::EffectFailed,
         Code::AmbiguousNotRetried,
         Code::MayNotResend,
+        Code::LookupUnavailable,
+        Code::LookupUnanswerable,
         Code::DedupeWindowPassed,
         Code::DeferredTooLong,
         Code::LeaseExpired,
@@ -217,6 +225,8 @@ impl Code {
             Code::EffectFailed => "effect_failed",
             Code::AmbiguousNotRetried => "ambiguous_not_retried",
             Code::MayNotResend => "may_not_resend",
+            Code::LookupUnavailable => "lookup_unavailable",
+            Code::LookupUnanswerable => "lookup_unanswerable",
             Code::DedupeWindowPassed => "dedupe_window_passed",
             Code::DeferredTooLong => "deferred_too_long",
             Code::LeaseExpired => "lease_expired",
@@ -264,7 +274,8 @@ impl Code {
             | Code::SqlConflict
             | Code::SqlTimeout
             | Code::SqlUnavailable
-            | Code::SqlFailed => ErrorClass::Retryable,
+            | Code::SqlFailed
+            | Code::LookupUnavailable => ErrorClass::Retryable,
             Code::ProviderTimeout
             | Code::ProviderConnectionLost
             | Code::ProviderError
@@ -285,6 +296,7 @@ impl Code {
             | Code::EffectFailed
             | Code::AmbiguousNotRetried
             | Code::MayNotResend
+            | Code::LookupUnanswerable
             | Code::DedupeWindowPassed
             | Code::DeferredTooLong
             | Code::ProviderRejected
@@ -332,6 +344,12 @@ impl Code {
             }
             Code::MayNotResend => {
                 "An earlier try may have reached a provider that cannot dedupe: not sent again."
+            }
+            Code::LookupUnavailable => {
+                "The provider could not be asked now whether it applied a key (asked again later)."
+            }
+            Code::LookupUnanswerable => {
+                "The provider's answer to a lookup fits neither applied nor not applied."
             }
             Code::DedupeWindowPassed => {
                 "An earlier try may have reached the provider longer ago than its dedupe window."

@@ -46,6 +46,32 @@ pub struct Delivered {
     pub result_ref: Option<String>,
 }
 
+/// What a provider answered when asked whether it applied a key
+/// ([`Provider::look_up`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// It carried the key's request out, with this reference (checked by
+    /// the boundary's rule, as any provider answer).
+    Applied {
+        /// The provider's reference, if it gave one.
+        result_ref: Option<String>,
+    },
+    /// It has no record of the key. Trusted only for a try older than the
+    /// provider's timeout plus [`LookupPolicy::settle`] (a request still in
+    /// flight, or a search index that lags, answers so too).
+    NotApplied,
+}
+
+/// How a provider that can be asked about a key is asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LookupPolicy {
+    /// How long after a try's timeout a "not applied" becomes trustworthy
+    /// (search-style lookups lag behind writes).
+    pub settle: Duration,
+    /// The longest one lookup may take.
+    pub timeout: Duration,
+}
+
 /// A provider of effects.
 ///
 /// ```no_run
@@ -86,6 +112,28 @@ pub trait Provider: Send + Sync {
     /// The longest one call may take (the key's lease is sized from it).
     fn timeout(&self) -> Duration {
         Duration::from_secs(30)
+    }
+
+    /// How this provider is asked whether it applied a key; `None` when it
+    /// cannot be asked (an effect in doubt then waits for an operator).
+    fn lookup_policy(&self) -> Option<LookupPolicy> {
+        None
+    }
+
+    /// Asks the provider whether it applied the request sent under `key`
+    /// (the host's `PLUGIN/KEY`) with `fingerprint`. A failure of class
+    /// retryable or ambiguous means it could not be asked now (ask again
+    /// later); a permanent one that the answer fits neither outcome (the
+    /// message says what was answered). Bounded by
+    /// [`LookupPolicy::timeout`] and the provider's own lookup budget.
+    ///
+    /// `let answer = provider.look_up("billing/invoice-42", &fingerprint).await?;`
+    async fn look_up(&self, key: &str, fingerprint: &str) -> Result<Lookup, Failure> {
+        let _ = (key, fingerprint);
+        Err(Failure::host(
+            crate::failure::Code::LookupUnanswerable,
+            "this provider offers no lookup",
+        ))
     }
 }
 
