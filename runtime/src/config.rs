@@ -12,6 +12,8 @@
 //! shutdown_grace = "10s"
 //! max_attempts = 10
 //! max_deferral = "1h"                 # a job deferred longer is dead-lettered
+//! reconcile_interval = "1m"           # settle keys in doubt by asking providers with a lookup ("0s": never)
+//! reconcile_replay_rate = 10.0        # dead jobs the sweep replays per second, at most
 //! backoff_base = "5s"
 //! backoff_max = "15m"
 //! prefetch = 16                       # jobs claimed ahead while a queue runs slowly (≤ its concurrency)
@@ -156,6 +158,13 @@ pub struct WorkerConfig {
     /// worker) before a job is dead-lettered as `deferred_too_long`.
     #[serde(with = "humantime_serde")]
     pub max_deferral: Duration,
+    /// How often the reconcile sweep asks providers that offer a lookup
+    /// about keys left in doubt, settles them and replays the dead jobs
+    /// they held back (0: never; `idem effects reconcile` runs it once).
+    #[serde(with = "humantime_serde")]
+    pub reconcile_interval: Duration,
+    /// Most dead jobs the sweep replays a second.
+    pub reconcile_replay_rate: f64,
     /// Backoff base delay.
     #[serde(with = "humantime_serde")]
     pub backoff_base: Duration,
@@ -199,6 +208,8 @@ impl Default for WorkerConfig {
             shutdown_grace: Duration::from_secs(10),
             max_attempts: 10,
             max_deferral: Duration::from_secs(3600),
+            reconcile_interval: Duration::from_secs(60),
+            reconcile_replay_rate: 10.0,
             backoff_base: Duration::from_secs(5),
             backoff_max: Duration::from_secs(15 * 60),
             redact_dead_payloads: false,
@@ -335,6 +346,10 @@ impl Config {
             ("IDEM_BACKOFF_MAX", &mut self.worker.backoff_max),
             ("IDEM_SHUTDOWN_GRACE", &mut self.worker.shutdown_grace),
             ("IDEM_MAX_DEFERRAL", &mut self.worker.max_deferral),
+            (
+                "IDEM_RECONCILE_INTERVAL",
+                &mut self.worker.reconcile_interval,
+            ),
             ("IDEM_RETENTION_SUCCEEDED", &mut self.retention.succeeded),
             ("IDEM_RETENTION_DEAD", &mut self.retention.dead),
             ("IDEM_RETENTION_EFFECTS", &mut self.retention.effects),

@@ -5,7 +5,9 @@
 //! `idem_jobs_finished_total{plugin,outcome}` (succeeded, retried, dead, deferred),
 //! `idem_job_errors_total{plugin,code,class}`, `idem_jobs_deferred_total{plugin,reason}`, `idem_lease_expiries_total`,
 //! `idem_fenced_out_total`, `idem_effects_total{provider,outcome}`
-//! (executed, idempotency_hit, failed, deferred), `idem_provider_errors_total{provider,code}`.
+//! (executed, idempotency_hit, failed, deferred), `idem_provider_errors_total{provider,code}`,
+//! `idem_effects_reconciled_total{provider,outcome}` (a lookup's answer for a key in
+//! doubt: applied, not_applied, too_recent, unavailable, unanswerable).
 //! Histograms: `idem_job_wait_seconds` (enqueue to claim), `idem_job_duration_seconds{plugin}`,
 //! `idem_provider_call_seconds{provider}`, `idem_job_attempts{plugin}` (at success),
 //! `idem_store_batch_writes` (writes per group commit).
@@ -123,6 +125,14 @@ pub fn fenced_out() {
 /// An effect ended with an outcome.
 pub fn effect(provider: &str, outcome: &'static str) {
     metrics::counter!("idem_effects_total", "provider" => provider.to_string(), "outcome" => outcome).increment(1);
+}
+
+/// A provider answered (or failed to answer) a lookup for a key in doubt;
+/// `outcome` is `applied`, `not_applied`, `too_recent` (not applied, but the
+/// try is too young to trust it), `unavailable` or `unanswerable`.
+pub fn effect_reconciled(provider: &str, outcome: &'static str) {
+    metrics::counter!("idem_effects_reconciled_total", "provider" => provider.to_string(), "outcome" => outcome)
+        .increment(1);
 }
 
 /// A provider call finished.

@@ -260,6 +260,12 @@ impl Harness {
     /// its plugins, providers `email` and `partner` on its provider server,
     /// with `lease` as the worker's lease.
     pub fn config_file(&self, lease: Duration) -> tempfile::NamedTempFile {
+        self.config_file_with(lease, "")
+    }
+
+    /// As [`Harness::config_file`], with `extra` lines in each provider's
+    /// table (e.g. `dedupes = false`).
+    pub fn config_file_with(&self, lease: Duration, extra: &str) -> tempfile::NamedTempFile {
         let mut text = format!(
             "database_url = \"{}\"\nplugins_dir = \"{}\"\n\n[worker]\nqueues = {{ default = 2 }}\n\
              poll_interval = \"50ms\"\nlease = \"{}ms\"\nshutdown_grace = \"200ms\"\n\
@@ -270,7 +276,7 @@ impl Harness {
         );
         for (name, kind) in [("email", "email"), ("partner", "http")] {
             text.push_str(&format!(
-                "\n[providers.{name}]\nkind = \"{kind}\"\nbase_url = \"{}\"\ntimeout = \"{}ms\"\nbreaker_failures = 1000\n",
+                "\n[providers.{name}]\nkind = \"{kind}\"\nbase_url = \"{}\"\ntimeout = \"{}ms\"\nbreaker_failures = 1000\n{extra}\n",
                 self.provider.base_url,
                 self.provider_timeout.as_millis()
             ));

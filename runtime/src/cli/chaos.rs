@@ -44,6 +44,11 @@ pub struct ChaosArgs {
     /// restarting it is allowed.
     #[arg(long)]
     pub restart_db: Option<String>,
+    /// The providers cannot dedupe (`dedupes = false`) and offer a lookup
+    /// (the provider server's `/by-key/{key}`): every effect in doubt must
+    /// be settled by asking, none left for a person.
+    #[arg(long)]
+    pub lookup: bool,
 }
 
 /// The workers' lease: short, so a killed worker's jobs come back quickly.
@@ -86,6 +91,11 @@ pub struct ChaosReport {
     pub unclassified_dead: usize,
     /// Jobs still holding a lease.
     pub leases_left: usize,
+    /// Whether the providers could not dedupe and offered a lookup.
+    pub lookup: bool,
+    /// Dead jobs held back by an effect in doubt, and keys waiting for
+    /// `idem effects resolve`: what a person would have to settle.
+    pub left_for_a_person: usize,
     /// Wall time, seconds.
     pub duration_s: f64,
 }
@@ -98,6 +108,7 @@ impl ChaosReport {
             && self.duplicates == 0
             && self.unclassified_dead == 0
             && self.leases_left == 0
+            && self.left_for_a_person == 0
     }
 }
 
@@ -133,10 +144,17 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: ChaosArgs) -> Result
     .await
     .map_err(|e| CliError::Runtime(e.into()))?;
     let dir = tempfile::tempdir().map_err(|e| CliError::Runtime(e.into()))?;
-    let config_path = write_config(dir.path(), config, plugins_dir, &provider.base_url)?;
+    let config_path = write_config(
+        dir.path(),
+        config,
+        plugins_dir,
+        &provider.base_url,
+        args.lookup,
+    )?;
     let started = Instant::now();
     let mut report = ChaosReport {
         backend: store.backend().as_str().to_string(),
+        lookup: args.lookup,
         ..ChaosReport::default()
     };
     let mut workers: Vec<Child> = (0..args.workers)
@@ -164,7 +182,13 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: ChaosArgs) -> Result
             )));
         }
         let all_in = step + 1 >= batches.len();
-        if all_in && report.kills + report.stops >= args.kills && drained(&*store).await? {
+        // With lookups, a job dead-lettered in doubt comes back once the
+        // reconcile sweep settles its key: wait for that too.
+        if all_in
+            && report.kills + report.stops >= args.kills
+            && drained(&*store).await?
+            && (!args.lookup || left_for_a_person(&*store).await? == 0)
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(rand::random_range(200..900))).await;
@@ -260,11 +284,30 @@ impl Workload {
     }
 }
 
+/// Dead jobs held back by an effect in doubt, plus keys left for
+/// `idem effects resolve`.
+async fn left_for_a_person(store: &dyn Store) -> Result<usize, CliError> {
+    let mut left = 0;
+    for code in crate::queue::reconcile::IN_DOUBT_CODES {
+        left += store
+            .job_list(JobFilter {
+                states: vec![JobState::Dead],
+                error_code: Some(code.as_str().to_string()),
+                ..JobFilter::default()
+            })
+            .await
+            .map_err(runtime)?
+            .len();
+    }
+    Ok(left)
+}
+
 fn write_config(
     dir: &Path,
     config: &Config,
     plugins_dir: &Path,
     provider_url: &str,
+    lookup: bool,
 ) -> Result<PathBuf, CliError> {
     let url = if config.database_url.starts_with("postgres") {
         let sep = if config.database_url.contains('?') {
@@ -280,7 +323,7 @@ fn write_config(
     let mut text = format!(
         "database_url = {url:?}\nplugins_dir = {:?}\n\n[worker]\nqueues = {{ default = 8 }}\n\
          poll_interval = \"100ms\"\nlease = \"{}ms\"\nshutdown_grace = \"1s\"\nmax_attempts = 25\n\
-         backoff_base = \"50ms\"\nbackoff_max = \"1s\"\n",
+         backoff_base = \"50ms\"\nbackoff_max = \"1s\"\nreconcile_interval = \"2s\"\n",
         plugins.display().to_string(),
         LEASE.as_millis()
     );
@@ -289,6 +332,14 @@ fn write_config(
             "\n[providers.{name}]\nkind = \"{kind}\"\nbase_url = \"{provider_url}\"\n\
              timeout = \"1s\"\nbreaker_cool_down = \"1s\"\n"
         ));
+        if lookup {
+            // The provider server keeps the first answer per key and finds
+            // it by key; its lookup has no lag, so a short settle delay.
+            text.push_str(
+                "dedupes = false\n\
+                 lookup = { path = \"/by-key/{key}\", settle = \"500ms\", timeout = \"1s\" }\n",
+            );
+        }
     }
     let path = dir.join("idem-chaos.toml");
     std::fs::write(&path, text).map_err(|e| CliError::Runtime(e.into()))?;
@@ -413,6 +464,7 @@ async fn verify(
             report.leases_left += 1;
         }
     }
+    report.left_for_a_person = left_for_a_person(store).await?;
     // Nothing acknowledged without its effects: every effect of a succeeded
     // job's stored plan was applied at the provider (or, for a child job,
     // the child exists).
@@ -479,6 +531,15 @@ fn print(report: &ChaosReport, json: bool) {
         ),
         ("unclassified dead", report.unclassified_dead.to_string()),
         ("leases left", report.leases_left.to_string()),
+        ("left for a person", report.left_for_a_person.to_string()),
+        (
+            "providers",
+            if report.lookup {
+                "no dedupe, lookup".to_string()
+            } else {
+                "dedupe".to_string()
+            },
+        ),
         ("duration", format!("{:.1} s", report.duration_s)),
     ];
     for (name, value) in rows {
@@ -487,7 +548,7 @@ fn print(report: &ChaosReport, json: bool) {
     println!(
         "{}",
         if report.passed() {
-            "PASSED: 0 lost, 0 duplicates"
+            "PASSED: 0 lost, 0 duplicates, 0 left for a person"
         } else {
             "FAILED"
         }

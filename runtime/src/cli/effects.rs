@@ -1,5 +1,6 @@
-//! `idem effects show|resolve`: look at one ledger row, and say what
-//! happened to an effect whose outcome idem cannot know.
+//! `idem effects show|resolve|reconcile`: look at one ledger row, say what
+//! happened to an effect whose outcome idem cannot know, or have idem ask
+//! the providers that offer a lookup.
 
 use super::CliError;
 use super::queue::store;
@@ -35,12 +36,79 @@ pub enum EffectsCommand {
         #[arg(long)]
         not_applied: bool,
     },
+    /// Ask the providers that offer a lookup about every key in doubt,
+    /// settle each one they answer, and replay the dead jobs those keys
+    /// held back (what the periodic sweep of `idem run` does), once.
+    Reconcile {
+        /// Only keys and dead jobs of this plugin.
+        #[arg(long)]
+        plugin: Option<String>,
+        /// Ask, and print what would be settled and replayed, writing nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Most keys asked about (and dead jobs looked at per code).
+        #[arg(long, default_value_t = crate::queue::reconcile::SWEEP_BATCH)]
+        limit: u32,
+        /// Dead jobs replayed per second, at most (e.g. `10/s`, `600/m`).
+        #[arg(long, default_value = "10/s")]
+        rate: String,
+    },
 }
 
 /// Runs an effects command.
 pub async fn run(config: &Config, command: EffectsCommand) -> Result<(), CliError> {
     let store = store(config).await?;
     match command {
+        EffectsCommand::Reconcile {
+            plugin,
+            dry_run,
+            limit,
+            rate,
+        } => {
+            let providers =
+                crate::providers::Providers::for_store(&config.providers, &config.database_url)
+                    .map_err(|e| CliError::Usage(e.to_string()))?;
+            if !providers
+                .iter()
+                .any(|p| p.provider.lookup_policy().is_some())
+            {
+                return Err(CliError::Usage(
+                    "no configured provider offers a lookup (`lookup = { ... }` in \
+                     [providers.NAME]): keys in doubt wait for `idem effects resolve`"
+                        .into(),
+                ));
+            }
+            let pacer = crate::ops::replay::parse_rate(&rate)
+                .and_then(crate::ops::replay::Pacer::per_second)
+                .map_err(CliError::Usage)?;
+            let request = crate::queue::reconcile::ReconcileRequest {
+                plugin,
+                dry_run,
+                limit,
+            };
+            let report =
+                crate::queue::reconcile::reconcile_once(&*store, &providers, &request, &pacer)
+                    .await
+                    .map_err(|e| CliError::Runtime(e.into()))?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&report).unwrap_or_default()
+            );
+            eprintln!(
+                "{} key(s) asked, {} settled{}, {} dead job(s) replayed{}, {} left dead",
+                report.asked.len(),
+                report.settled(),
+                if dry_run {
+                    " (dry run: none written)"
+                } else {
+                    ""
+                },
+                report.replayed.len(),
+                if dry_run { " (would be)" } else { "" },
+                report.left_dead.len()
+            );
+            Ok(())
+        }
         EffectsCommand::Show { key } => {
             let row = store
                 .effect_get(&key)

@@ -14,7 +14,7 @@ use crate::failpoint::{self, Failpoint};
 use crate::failure::{Code, ErrorClass, Failure};
 use crate::metrics;
 use crate::providers::guard::Permit;
-use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Providers};
+use crate::providers::{Dedupe, GuardedProvider, JOBS_PROVIDER, Lookup, LookupPolicy, Providers};
 use crate::store::{
     ChildEffect, ChildParams, EffectChange, EffectClaim, EffectClaimParams, EffectFailParams,
     EffectFence, EffectRecord, EffectStatus, Enqueued, Fence, Job, JobChange, NewJob, OlderKey,
@@ -32,6 +32,54 @@ pub(crate) fn child_enqueued(stats: &WorkerStats, child: &Enqueued) {
     tracing::info!(child_job = %child.id, inserted = child.inserted, "child job enqueued");
     WorkerStats::bump(&stats.effects_executed);
     metrics::effect(JOBS_PROVIDER, "executed");
+}
+
+/// What a claim in doubt found.
+#[derive(Debug, Clone, Copy)]
+struct Doubt {
+    /// Since the first try was claimed (the dedupe window counts from it).
+    sent_ago: Duration,
+    /// Since the latest try that may have reached the provider was claimed.
+    tried_ago: Duration,
+}
+
+/// An effect in doubt whose provider is asked ([`Executor::ask_provider`]).
+struct AskedFor<'a> {
+    job: &'a Job,
+    effect: &'a Effect,
+    fence: &'a EffectFence,
+    provider: &'a GuardedProvider,
+    policy: LookupPolicy,
+    tried_ago: Duration,
+    /// Why it would not be sent again without an answer.
+    refusal: Failure,
+}
+
+/// The deferral of a job while the provider of an effect in doubt is
+/// asked, with a little jitter so jobs in doubt together spread out.
+fn in_doubt_deferral(wait: Duration) -> PlanOutcome {
+    let jitter = Duration::from_millis(rand::random_range(0..250));
+    PlanOutcome::Deferred {
+        delay: wait + jitter,
+        reason: DeferReason::EffectInDoubt,
+    }
+}
+
+/// How long to wait before asking a provider that could not answer again:
+/// as long as the job has been deferring so far (doubling each time),
+/// between 1 s and 5 min, with full jitter above half; longer when the
+/// provider said so (`Retry-After`).
+fn lookup_backoff(job: &Job, retry_after: Option<Duration>) -> Duration {
+    let claimed_at = job.heartbeat_at_ms.unwrap_or(job.updated_at_ms);
+    let deferring = job
+        .deferred_since_ms
+        .map(|since| claimed_at.saturating_sub(since))
+        .and_then(|ms| u64::try_from(ms).ok())
+        .map_or(Duration::ZERO, Duration::from_millis);
+    let base = deferring.clamp(Duration::from_secs(1), Duration::from_secs(300));
+    let half = base / 2;
+    let jittered = half + half.mul_f64(rand::random::<f64>());
+    jittered.max(retry_after.unwrap_or_default())
 }
 
 /// Longest deferral when another worker holds an effect's key.
@@ -500,28 +548,48 @@ impl Executor {
             return Err(PlanOutcome::Aborted);
         }
         let lease = self.key_lease(&provider);
-        let fence = match self.claim(job, effect, lease, older, riders).await {
-            Ok((fence, None)) => fence,
-            Ok((fence, Some(sent_ago))) => match may_resend(
+        let (fence, permit) = match self.claim(job, effect, lease, older, riders).await {
+            Ok((fence, None)) => (fence, permit),
+            Ok((fence, Some(doubt))) => match may_resend(
                 provider.provider.dedupe(),
-                sent_ago,
+                doubt.sent_ago,
                 &effect.idempotency_key,
             ) {
                 Ok(()) => {
                     tracing::info!(
-                        ?sent_ago,
+                        sent_ago = ?doubt.sent_ago,
                         "an earlier try may have been carried out: sending again with the same key, inside the provider's dedupe window"
                     );
-                    fence
+                    (fence, permit)
                 }
-                Err(failure) => {
-                    permit.release();
-                    tracing::warn!(code = %failure.code, "outcome unknown: not sent again");
-                    WorkerStats::bump(&self.stats.effects_failed);
-                    metrics::effect(&effect.provider, "failed");
-                    self.fail(&fence, &failure, Sent::Unresolved).await?;
-                    return Err(PlanOutcome::Failed(failure));
-                }
+                Err(failure) => match provider.provider.lookup_policy() {
+                    // The provider can be asked whether it applied the key.
+                    Some(policy) => {
+                        let asked = AskedFor {
+                            job,
+                            effect,
+                            fence: &fence,
+                            provider: &provider,
+                            policy,
+                            tried_ago: doubt.tried_ago,
+                            refusal: failure,
+                        };
+                        match self.ask_provider(asked, permit, riders).await? {
+                            // Known not applied: sending it is not a repeat.
+                            Some(permit) => (fence, permit),
+                            // Known applied: done without a call.
+                            None => return Ok(()),
+                        }
+                    }
+                    None => {
+                        permit.release();
+                        tracing::warn!(code = %failure.code, "outcome unknown: not sent again");
+                        WorkerStats::bump(&self.stats.effects_failed);
+                        metrics::effect(&effect.provider, "failed");
+                        self.fail(&fence, &failure, Sent::Unresolved).await?;
+                        return Err(PlanOutcome::Failed(failure));
+                    }
+                },
             },
             Err(outcome) => {
                 // Skipped, deferred or refused: the provider was not called.
@@ -547,6 +615,142 @@ impl Executor {
                     .await
             }
         }
+    }
+
+    /// Asks the provider of an effect in doubt whether it applied the key
+    /// (the claim holds the key, `permit` the provider's capacity):
+    /// - applied: the key succeeds with the looked-up reference (riding
+    ///   with the next write, as a call's success does), and `None` says
+    ///   the effect is done without a call;
+    /// - not applied, for a try older than the provider's timeout plus its
+    ///   settle delay: `Some(permit)`, to send it (it is known not to be a
+    ///   repeat), under the same permit;
+    /// - not applied too soon, or the provider could not be asked now: the
+    ///   key is given back still in doubt and the job deferred (no attempt
+    ///   used) until it can be asked again;
+    /// - an answer that fits neither: as without a lookup (the key waits in
+    ///   doubt, the job is dead-lettered), with the answer in its error.
+    async fn ask_provider<'p>(
+        &self,
+        asked: AskedFor<'_>,
+        permit: Permit<'p>,
+        riders: &mut Riders,
+    ) -> Result<Option<Permit<'p>>, PlanOutcome> {
+        let AskedFor {
+            job,
+            effect,
+            fence,
+            provider,
+            policy,
+            tried_ago,
+            refusal,
+        } = asked;
+        let name = effect.provider.as_str();
+        let started = Instant::now();
+        let answer = match tokio::time::timeout(
+            policy.timeout,
+            provider
+                .provider
+                .look_up(&effect.idempotency_key, &fingerprint(effect)),
+        )
+        .await
+        {
+            Ok(answer) => answer,
+            Err(_) => Err(Failure::host(
+                Code::LookupUnavailable,
+                format!(
+                    "the lookup took longer than {}",
+                    humantime::format_duration(policy.timeout)
+                ),
+            )),
+        };
+        WorkerStats::timed(&self.stats.provider_call_us, started);
+        match answer {
+            Ok(Lookup::Applied { result_ref }) => {
+                permit.record(Ok(()));
+                metrics::effect_reconciled(name, "applied");
+                tracing::info!(
+                    result_ref = result_ref.as_deref().unwrap_or(""),
+                    "the provider says an earlier try applied this effect: not sent again"
+                );
+                let deadline = tokio::time::Instant::now() + self.key_lease(provider);
+                riders.push_success(fence.clone(), result_ref, deadline);
+                WorkerStats::bump(&self.stats.idempotency_hits);
+                metrics::effect(name, "idempotency_hit");
+                Ok(None)
+            }
+            Ok(Lookup::NotApplied) => {
+                let trusted_after = provider.provider.timeout() + policy.settle;
+                if tried_ago >= trusted_after {
+                    metrics::effect_reconciled(name, "not_applied");
+                    tracing::info!(
+                        ?tried_ago,
+                        "the provider says no earlier try applied this effect: sending it"
+                    );
+                    return Ok(Some(permit));
+                }
+                permit.record(Ok(()));
+                metrics::effect_reconciled(name, "too_recent");
+                let wait = trusted_after - tried_ago;
+                tracing::info!(
+                    ?tried_ago,
+                    ?wait,
+                    "the provider has no record of this effect yet, but the last try is too recent to trust that: asking again later"
+                );
+                self.give_back_in_doubt(fence, Code::LookupUnavailable)
+                    .await?;
+                Err(in_doubt_deferral(wait))
+            }
+            Err(failure) if failure.class.is_retried() => {
+                permit.record(Err(failure.class));
+                metrics::effect_reconciled(name, "unavailable");
+                let wait = lookup_backoff(job, failure.retry_after);
+                tracing::warn!(
+                    code = %failure.code,
+                    message = %failure.message,
+                    ?wait,
+                    "the provider could not be asked whether it applied this effect: asking again later"
+                );
+                self.give_back_in_doubt(fence, Code::LookupUnavailable)
+                    .await?;
+                Err(in_doubt_deferral(wait))
+            }
+            Err(answer) => {
+                permit.release();
+                metrics::effect_reconciled(name, "unanswerable");
+                let failure = Failure::new(
+                    refusal.class,
+                    refusal.code.clone(),
+                    format!(
+                        "{}; the provider's lookup answered: {}",
+                        refusal.message, answer.message
+                    ),
+                );
+                tracing::warn!(code = %failure.code, message = %failure.message, "outcome unknown: not sent again");
+                WorkerStats::bump(&self.stats.effects_failed);
+                metrics::effect(name, "failed");
+                self.fail(fence, &failure, Sent::Unresolved).await?;
+                Err(PlanOutcome::Failed(failure))
+            }
+        }
+    }
+
+    /// Gives a key in doubt back without a call: still marked reached (a
+    /// later claim is in doubt again), its latest try's time kept.
+    async fn give_back_in_doubt(&self, fence: &EffectFence, code: Code) -> Result<(), PlanOutcome> {
+        let params = EffectFailParams {
+            fence: fence.clone(),
+            status: EffectStatus::Retrying,
+            error_code: code.as_str().to_string(),
+            sent: Sent::NotApplied,
+        };
+        let written = retry_transient(|| self.store.effect_set_failed(params.clone()))
+            .await
+            .map_err(PlanOutcome::Store)?;
+        if written == Fence::FencedOut {
+            self.fenced_out("effect given back in doubt");
+        }
+        Ok(())
     }
 
     /// The lease a provider's calls run under: it must outlast the call, or
@@ -649,7 +853,8 @@ impl Executor {
     }
 
     /// Claims the effect's key; every outcome but a claim ends this effect.
-    /// A claim in doubt comes with how long ago the first try was sent.
+    /// A claim in doubt comes with how long ago the first and the latest
+    /// tries were claimed.
     async fn claim(
         &self,
         job: &Job,
@@ -657,7 +862,7 @@ impl Executor {
         lease: Duration,
         older_key: Option<OlderKey>,
         riders: &mut Riders,
-    ) -> Result<(EffectFence, Option<Duration>), PlanOutcome> {
+    ) -> Result<(EffectFence, Option<Doubt>), PlanOutcome> {
         let params = EffectClaimParams {
             key: effect.idempotency_key.clone(),
             job_id: job.id,
@@ -698,7 +903,17 @@ impl Executor {
         }
         match claim {
             EffectClaim::Claimed { fence } => Ok((fence, None)),
-            EffectClaim::InDoubt { fence, sent_ago } => Ok((fence, Some(sent_ago))),
+            EffectClaim::InDoubt {
+                fence,
+                sent_ago,
+                tried_ago,
+            } => Ok((
+                fence,
+                Some(Doubt {
+                    sent_ago,
+                    tried_ago,
+                }),
+            )),
             EffectClaim::JobLost => {
                 tracing::warn!("the job was taken over by another attempt: stopping this one");
                 Err(PlanOutcome::LeaseLost)
@@ -948,6 +1163,22 @@ impl Executor {
                 } else {
                     Sent::NotApplied
                 };
+                let lookup = provider.provider.lookup_policy();
+                if failure.class == ErrorClass::Ambiguous
+                    && provider.provider.dedupe() == Dedupe::None
+                    && let Some(policy) = lookup
+                {
+                    // The provider will be asked: once its timeout and
+                    // settle delay have passed, its "not applied" is
+                    // trustworthy. Until then the job waits (no attempt
+                    // used) and the key stays in doubt.
+                    tracing::warn!(code = %failure.code, "outcome unknown: the provider will be asked whether it applied the effect");
+                    metrics::effect(&effect.provider, "deferred");
+                    self.fail(fence, &failure, Sent::MaybeApplied).await?;
+                    return Err(in_doubt_deferral(
+                        provider.provider.timeout() + policy.settle,
+                    ));
+                }
                 if failure.class == ErrorClass::Ambiguous
                     && provider.provider.dedupe() == Dedupe::None
                 {

@@ -12,6 +12,8 @@
 //! - [`outcome`]: the one place where a job attempt's result becomes a state
 //!   transition (succeeded, retrying, dead, deferred).
 //! - [`maintenance`]: rescuer of expired leases, retention pruner, gauges.
+//! - [`reconcile`]: the sweep that settles keys left in doubt by asking
+//!   their providers, and replays the dead jobs they held back.
 //! - [`stats`]: in-process counters and the run summary.
 
 pub mod backoff;
@@ -20,6 +22,7 @@ pub mod fetcher;
 pub mod lease;
 pub mod maintenance;
 pub mod outcome;
+pub mod reconcile;
 pub mod stats;
 pub mod worker;
 

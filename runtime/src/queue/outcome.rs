@@ -56,6 +56,9 @@ pub enum DeferReason {
     CircuitOpen,
     /// No sandbox instance was free.
     SandboxUnavailable,
+    /// An effect's outcome is unknown and its provider is being asked (it
+    /// could not answer yet, or its "not applied" is too recent to trust).
+    EffectInDoubt,
 }
 
 impl DeferReason {
@@ -65,6 +68,7 @@ impl DeferReason {
             DeferReason::EffectLeasedByOther => "effect_leased_by_other",
             DeferReason::CircuitOpen => "circuit_open",
             DeferReason::SandboxUnavailable => "sandbox_unavailable",
+            DeferReason::EffectInDoubt => "effect_in_doubt",
         }
     }
 }
@@ -137,14 +141,28 @@ pub fn decide(
             (JobChange::Release, Recorded::Released)
         }
         Attempt::Deferred { reason, .. } if deferred_too_long(job, policy.max_deferral) => {
-            let failure = Failure::host(
-                Code::DeferredTooLong,
-                format!(
-                    "deferred ({}) for longer than max_deferral ({})",
-                    reason.as_str(),
-                    humantime::format_duration(policy.max_deferral)
-                ),
-            );
+            let failure = if reason == DeferReason::EffectInDoubt {
+                // Still unknown: dead-lettered as an effect in doubt, which
+                // the reconcile sweep asks about again and replays.
+                Failure::host(
+                    Code::MayNotResend,
+                    format!(
+                        "an effect's provider could not settle whether it applied the \
+                         effect within max_deferral ({}): not sent again; the reconcile \
+                         sweep keeps asking",
+                        humantime::format_duration(policy.max_deferral)
+                    ),
+                )
+            } else {
+                Failure::host(
+                    Code::DeferredTooLong,
+                    format!(
+                        "deferred ({}) for longer than max_deferral ({})",
+                        reason.as_str(),
+                        humantime::format_duration(policy.max_deferral)
+                    ),
+                )
+            };
             return decide(
                 job,
                 Attempt::Failed(failure),

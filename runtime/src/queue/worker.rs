@@ -46,6 +46,10 @@ pub struct WorkerSettings {
     pub max_attempts: u32,
     /// Longest run of deferrals before a job is dead-lettered.
     pub max_deferral: Duration,
+    /// How often the reconcile sweep runs (zero: never).
+    pub reconcile_interval: Duration,
+    /// Most dead jobs the sweep replays a second.
+    pub reconcile_replay_rate: f64,
     /// Default backoff.
     pub backoff: Backoff,
     /// Redact dead payloads.
@@ -81,6 +85,8 @@ impl WorkerSettings {
             shutdown_grace: config.worker.shutdown_grace,
             max_attempts: config.worker.max_attempts,
             max_deferral: config.worker.max_deferral,
+            reconcile_interval: config.worker.reconcile_interval,
+            reconcile_replay_rate: config.worker.reconcile_replay_rate,
             backoff: Backoff {
                 base: config.worker.backoff_base,
                 max: config.worker.backoff_max,
@@ -205,6 +211,7 @@ impl Worker {
             self.settings.redact_dead_payloads,
             background.clone(),
         );
+        let reconciling = self.spawn_reconcile(background.clone());
         let keeping = {
             let (keeper, store, stop) =
                 (self.keeper.clone(), self.store.clone(), background.clone());
@@ -340,10 +347,56 @@ impl Worker {
         background.cancel();
         let _ = keeping.await;
         let _ = gauges.await;
-        for service in services {
+        for service in services.into_iter().chain(reconciling) {
             let _ = service.await;
         }
         Ok(self.stats.snapshot())
+    }
+
+    /// The periodic reconcile sweep, when some provider offers a lookup
+    /// and the interval is not zero.
+    fn spawn_reconcile(&self, stop: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+        let interval = self.settings.reconcile_interval;
+        let askable = self
+            .executor
+            .providers
+            .iter()
+            .any(|p| p.provider.lookup_policy().is_some());
+        if interval.is_zero() || !askable {
+            return None;
+        }
+        let pacer = match crate::ops::replay::Pacer::per_second(self.settings.reconcile_replay_rate)
+        {
+            Ok(pacer) => Arc::new(pacer),
+            Err(why) => {
+                tracing::warn!(%why, "reconcile_replay_rate: the reconcile sweep does not run");
+                return None;
+            }
+        };
+        let (store, providers) = (self.store.clone(), self.executor.providers.clone());
+        let request = super::reconcile::ReconcileRequest {
+            plugin: None,
+            dry_run: false,
+            limit: super::reconcile::SWEEP_BATCH,
+        };
+        Some(tokio::spawn(maintenance::every(
+            "reconcile",
+            interval,
+            stop,
+            move || {
+                let (store, providers, pacer, request) = (
+                    store.clone(),
+                    providers.clone(),
+                    pacer.clone(),
+                    request.clone(),
+                );
+                async move {
+                    super::reconcile::reconcile_once(&*store, &providers, &request, &pacer)
+                        .await
+                        .map(|_| ())
+                }
+            },
+        )))
     }
 
     /// One handler: runs jobs from its queue's buffer one after the other.

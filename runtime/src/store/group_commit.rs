@@ -42,7 +42,7 @@
 use super::{
     BackendKind, ClaimParams, EffectPruneParams, EffectRecord, Enqueued, Job, JobFilter, JobId,
     NewJob, PruneParams, QueueStats, Replayed, Resolution, Result, StatementOutcome,
-    StatementParams, Store, StoreError, Write, Written,
+    StatementParams, Store, StoreError, UnsettledEffect, Write, Written,
 };
 use futures::FutureExt;
 use std::sync::Arc;
@@ -622,6 +622,26 @@ impl Store for GroupCommit {
 
     async fn effect_resolve(&self, key: &str, resolution: Resolution) -> Result<bool> {
         self.inner.effect_resolve(key, resolution).await
+    }
+
+    async fn effects_to_reconcile(
+        &self,
+        providers: &[String],
+        plugin: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<UnsettledEffect>> {
+        self.inner
+            .effects_to_reconcile(providers, plugin, limit)
+            .await
+    }
+
+    async fn effect_reconcile(
+        &self,
+        key: &str,
+        attempt: u32,
+        resolution: Resolution,
+    ) -> Result<bool> {
+        self.inner.effect_reconcile(key, attempt, resolution).await
     }
 
     async fn job_discard_plan(&self, id: JobId) -> Result<bool> {

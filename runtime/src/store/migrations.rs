@@ -35,6 +35,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     6 => "0006_started_attempts.sql",
     7 => "0007_sessions.sql",
     8 => "0008_redact_error_urls.sql",
+    9 => "0009_effect_tries.sql",
 );
 
 /// The PostgreSQL schema.
@@ -48,6 +49,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     7 => "0007_started_attempts.sql",
     8 => "0008_sessions.sql",
     9 => "0009_redact_error_urls.sql",
+    10 => "0010_effect_tries.sql",
 );
 
 impl Embedded {

@@ -46,6 +46,7 @@ pub mod sqlite;
 
 pub use dialect::BackendKind;
 pub use error::{Result, StoreError, retry_transient, retry_transient_until};
+pub(crate) use input::plan_keys;
 pub use model::*;
 pub use queries::Clock;
 pub use sql::SqlStore;
@@ -142,6 +143,30 @@ pub trait Store: Send + Sync + 'static {
     /// applied (succeeded, with the provider's reference) or not applied
     /// (may be sent again). `false` when the key is not in doubt.
     async fn effect_resolve(&self, key: &str, resolution: Resolution) -> Result<bool>;
+
+    /// Keys whose outcome is unknown (a try may have reached the provider
+    /// and nothing settled it since) and that no live lease holds, of the
+    /// `providers` named, optionally of one plugin; oldest try first.
+    ///
+    /// `let keys = store.effects_to_reconcile(&["email".into()], None, 100).await?;`
+    async fn effects_to_reconcile(
+        &self,
+        providers: &[String],
+        plugin: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<UnsettledEffect>>;
+
+    /// Records a provider's answer to a lookup for a key read by
+    /// [`Store::effects_to_reconcile`], fenced by the attempt read: `false`
+    /// when the key was claimed or settled meanwhile.
+    ///
+    /// `store.effect_reconcile(&row.key, row.attempt, Resolution::NotApplied).await?;`
+    async fn effect_reconcile(
+        &self,
+        key: &str,
+        attempt: u32,
+        resolution: Resolution,
+    ) -> Result<bool>;
 
     /// Reads one ledger row.
     async fn effect_get(&self, key: &str) -> Result<Option<EffectRecord>>;

@@ -407,6 +407,26 @@ impl EffectStatus {
     }
 }
 
+/// A ledger row whose outcome is unknown and that no live lease holds
+/// ([`Store::effects_to_reconcile`](super::Store::effects_to_reconcile)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnsettledEffect {
+    /// Its key.
+    pub key: String,
+    /// Its attempt as read: the fence of [`Store::effect_reconcile`](super::Store::effect_reconcile).
+    pub attempt: u32,
+    /// Its provider.
+    pub provider: String,
+    /// The plugin whose plan holds it.
+    pub plugin: String,
+    /// The request's fingerprint.
+    pub fingerprint: String,
+    /// The job that created it.
+    pub job_id: JobId,
+    /// How long ago its latest try that may have reached the provider was claimed.
+    pub tried_ago: Duration,
+}
+
 /// An effect ledger row (one per idempotency key).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EffectRecord {
@@ -511,6 +531,10 @@ pub enum EffectClaim {
         fence: EffectFence,
         /// How long ago the first try was claimed for sending.
         sent_ago: Duration,
+        /// How long ago the latest try that may have reached the provider
+        /// was claimed (a lookup's "not applied" is trusted only once it is
+        /// older than the provider's timeout plus its settle delay).
+        tried_ago: Duration,
     },
     /// The caller no longer holds the job at its attempt (rescued,
     /// dead-lettered, replayed): nothing was claimed; stop the attempt.

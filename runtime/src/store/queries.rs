@@ -81,6 +81,9 @@ pub(crate) struct Queries {
     pub effect_claim_fence: String,
     pub effect_resolve_applied: String,
     pub effect_resolve_not_applied: String,
+    pub effects_to_reconcile: String,
+    pub effect_reconcile_applied: String,
+    pub effect_reconcile_not_applied: String,
     pub effects_drop_failed: String,
     pub plan_discard: String,
     pub job_cancel: String,
@@ -415,6 +418,46 @@ impl Queries {
                      updated_at = {now} \
                  WHERE key = $1 AND in_doubt = 1",
             ),
+            // Keys whose outcome is unknown and that no live lease holds,
+            // of the providers that can be asked ($1), optionally of one
+            // plugin ($2, '' for all): a try may have reached the provider
+            // and nothing settled it since (marked reached, or left
+            // `processing` by a holder whose lease ran out mid-call).
+            // Oldest try first.
+            effects_to_reconcile: x(&format!(
+                "SELECT key, attempt, provider, plugin, fingerprint, job_id, \
+                     {{now}} - COALESCE(try_at, updated_at) AS tried_ago \
+                 FROM effects \
+                 WHERE (reached = 1 OR status = 'processing') AND status <> 'succeeded' \
+                   AND (status <> 'failed' OR in_doubt = 1) \
+                   AND (status <> 'processing' OR COALESCE(lease_until, 0) < {{now}}) \
+                   AND provider IN ({providers}) AND ($2 = '' OR plugin = $2) \
+                 ORDER BY COALESCE(try_at, updated_at), key LIMIT $3",
+                providers = (d.text_list)("$1"),
+            )),
+            // A lookup's answer, fenced by the attempt read with the row
+            // (every claim moves it) and re-checked on the row itself: a
+            // key claimed or settled meanwhile is left alone.
+            effect_reconcile_applied: x(
+                "UPDATE effects SET status = 'succeeded', result_ref = COALESCE($3, result_ref), \
+                     reached = 1, in_doubt = 0, lease_owner = NULL, lease_until = NULL, \
+                     updated_at = {now} \
+                 WHERE key = $1 AND attempt = $2 AND (reached = 1 OR status = 'processing') \
+                   AND status <> 'succeeded' \
+                   AND (status <> 'failed' OR in_doubt = 1) \
+                   AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now})",
+            ),
+            // As `effect_resolve_not_applied`: no earlier try reached the
+            // provider, so the next try is a first one.
+            effect_reconcile_not_applied: x(
+                "UPDATE effects SET status = 'retrying', reached = 0, in_doubt = 0, \
+                     first_sent_at = NULL, lease_owner = NULL, lease_until = NULL, \
+                     updated_at = {now} \
+                 WHERE key = $1 AND attempt = $2 AND (reached = 1 OR status = 'processing') \
+                   AND status <> 'succeeded' \
+                   AND (status <> 'failed' OR in_doubt = 1) \
+                   AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now})",
+            ),
             effects_drop_failed: x(&format!(
                 "DELETE FROM effects WHERE status = 'failed' AND job_id = $2 AND key IN ({keys})",
                 keys = (d.text_list)("$1"),
@@ -519,9 +562,10 @@ impl Queries {
                      {{lock_jobs}}) \
                  INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
                      lease_owner, lease_until, created_at, updated_at, first_sent_at, \
-                     claim_job, claim_attempt) \
+                     claim_job, claim_attempt, try_at) \
                  SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'processing', 1, \
-                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}}, t.job_id, t.job_attempt \
+                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}}, t.job_id, t.job_attempt, \
+                     {{now}} \
                  FROM {rows} \
                  WHERE EXISTS (SELECT 1 FROM held WHERE held.id = t.job_id \
                          AND held.lease_owner = t.owner AND held.attempt = t.job_attempt) \
@@ -540,9 +584,10 @@ impl Queries {
             effect_insert: x(&format!(
                 "INSERT INTO effects (key, job_id, plugin, provider, fingerprint, status, attempt, \
                      lease_owner, lease_until, created_at, updated_at, first_sent_at, \
-                     claim_job, claim_attempt) \
+                     claim_job, claim_attempt, try_at) \
                  SELECT t.key, t.job_id, t.plugin, t.provider, t.fingerprint, 'processing', 1, \
-                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}}, t.job_id, t.job_attempt \
+                     t.owner, {{now}} + t.lease, {{now}}, {{now}}, {{now}}, t.job_id, t.job_attempt, \
+                     {{now}} \
                  FROM {rows} WHERE true ORDER BY t.key \
                  ON CONFLICT (key) DO NOTHING RETURNING key, attempt",
                 rows = (d.rows)(&CLAIM_COLS),
@@ -562,14 +607,17 @@ impl Queries {
                      reached = CASE WHEN effects.status = 'processing' AND NOT {same} THEN 1 \
                          ELSE effects.reached END, \
                      claim_job = t.job_id, claim_attempt = t.job_attempt, \
-                     first_sent_at = COALESCE(effects.first_sent_at, {{now}}) \
+                     first_sent_at = COALESCE(effects.first_sent_at, {{now}}), \
+                     prior_try_at = COALESCE(effects.try_at, effects.updated_at), \
+                     try_at = {{now}} \
                  FROM {rows} \
                  WHERE {{effect_keys}}effects.key = t.key AND effects.fingerprint = t.fingerprint \
                    AND effects.status NOT IN ('succeeded', 'failed') \
                    AND (effects.status <> 'processing' \
                         OR COALESCE(effects.lease_until, 0) < {{now}} OR {same}) \
                  RETURNING effects.key, effects.attempt, effects.reached, \
-                     {{now}} - effects.first_sent_at AS sent_ago",
+                     {{now}} - effects.first_sent_at AS sent_ago, \
+                     {{now}} - effects.prior_try_at AS tried_ago",
                 rows = (d.rows)(&CLAIM_COLS),
                 same = "(effects.claim_job = t.job_id AND effects.claim_attempt = t.job_attempt \
                          AND effects.lease_owner = t.owner)",
@@ -591,6 +639,8 @@ impl Queries {
                 "UPDATE effects SET status = t.status, last_error_code = t.code, \
                      last_error_at = {{now}}, lease_owner = NULL, lease_until = NULL, \
                      reached = {{greatest}}(effects.reached, t.reached), in_doubt = t.in_doubt, \
+                     try_at = CASE WHEN t.reached = 0 \
+                         THEN COALESCE(effects.prior_try_at, effects.try_at) ELSE effects.try_at END, \
                      updated_at = {{now}} \
                  FROM {rows} WHERE {EFFECT_FENCE} RETURNING effects.key",
                 rows = effect_rows(&[

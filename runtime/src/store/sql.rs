@@ -738,18 +738,17 @@ impl Store for SqlStore {
                     }
                 }
                 if !rest.is_empty() {
-                    let taken: Vec<(String, i64, i64, Option<i64>)> =
+                    let taken: Vec<(String, i64, i64, Option<i64>, Option<i64>)> =
                         sqlx::query_as(&self.q.effect_take_over)
                             .bind_rows(claim_row_set(&rest))
                             .fetch_all(&mut *tx)
                             .await?;
-                    let taken: HashMap<String, (i64, Option<Duration>)> = taken
+                    let taken: HashMap<String, (i64, Option<Doubt>)> = taken
                         .into_iter()
-                        .map(|(key, attempt, reached, sent_ago)| {
-                            let doubt = (reached != 0).then(|| {
-                                Duration::from_millis(
-                                    u64::try_from(sent_ago.unwrap_or(0)).unwrap_or(0),
-                                )
+                        .map(|(key, attempt, reached, sent_ago, tried_ago)| {
+                            let doubt = (reached != 0).then(|| Doubt {
+                                sent_ago: millis(sent_ago),
+                                tried_ago: millis(tried_ago),
                             });
                             (key, (attempt, doubt))
                         })
@@ -1017,6 +1016,71 @@ impl Store for SqlStore {
         replayed.replayed.sort_unstable();
         replayed.refused.sort_unstable();
         Ok(replayed)
+    }
+
+    async fn effects_to_reconcile(
+        &self,
+        providers: &[String],
+        plugin: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<UnsettledEffect>> {
+        if providers.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<(String, i64, String, String, String, i64, Option<i64>)> =
+            with_db!(self, |read, _write| {
+                sqlx::query_as(&self.q.effects_to_reconcile)
+                    .bind(strings_json(providers))
+                    .bind(plugin.unwrap_or(""))
+                    .bind(i64::from(limit))
+                    .fetch_all(read)
+                    .await?
+            });
+        rows.into_iter()
+            .map(
+                |(key, attempt, provider, plugin, fingerprint, job_id, tried_ago)| {
+                    Ok(UnsettledEffect {
+                        attempt: u32::try_from(attempt).map_err(|_| {
+                            StoreError::Corrupt(format!("effect {key:?}: attempt {attempt}"))
+                        })?,
+                        key,
+                        provider,
+                        plugin,
+                        fingerprint,
+                        job_id: JobId(job_id),
+                        tried_ago: millis(tried_ago),
+                    })
+                },
+            )
+            .collect()
+    }
+
+    async fn effect_reconcile(
+        &self,
+        key: &str,
+        attempt: u32,
+        resolution: Resolution,
+    ) -> Result<bool> {
+        with_db!(self, |_read, write| {
+            let result = match &resolution {
+                Resolution::Applied { result_ref } => {
+                    sqlx::query(&self.q.effect_reconcile_applied)
+                        .bind(key)
+                        .bind(i64::from(attempt))
+                        .bind(result_ref)
+                        .execute(write)
+                        .await?
+                }
+                Resolution::NotApplied => {
+                    sqlx::query(&self.q.effect_reconcile_not_applied)
+                        .bind(key)
+                        .bind(i64::from(attempt))
+                        .execute(write)
+                        .await?
+                }
+            };
+            Ok(result.rows_affected() > 0)
+        })
     }
 
     async fn effect_resolve(&self, key: &str, resolution: Resolution) -> Result<bool> {
@@ -1824,6 +1888,21 @@ fn fresh_claim_row_set(claims: &[ClaimItem]) -> RowSet {
     )
 }
 
+/// What a takeover found of a key whose earlier try may have reached the
+/// provider.
+#[derive(Debug, Clone, Copy)]
+struct Doubt {
+    /// Since the first try was claimed.
+    sent_ago: Duration,
+    /// Since the latest try that may have reached the provider was claimed.
+    tried_ago: Duration,
+}
+
+/// A span of milliseconds as read from the database (none or negative: zero).
+fn millis(ms: Option<i64>) -> Duration {
+    Duration::from_millis(u64::try_from(ms.unwrap_or(0)).unwrap_or(0))
+}
+
 /// The row set of one statement of effect writes.
 fn effect_row_set(kind: EffectKind, writes: &[EffectItem]) -> RowSet {
     let rows = RowSet::new()
@@ -1912,7 +1991,7 @@ impl Answers {
 
     /// Answers a claim that took the key; `doubt` (how long ago the first
     /// try was sent) when an earlier try may have been carried out.
-    fn claimed(&mut self, claim: &ClaimItem, attempt: i64, doubt: Option<Duration>) -> Result<()> {
+    fn claimed(&mut self, claim: &ClaimItem, attempt: i64, doubt: Option<Doubt>) -> Result<()> {
         let attempt = u32::try_from(attempt).map_err(|_| {
             StoreError::Corrupt(format!("effect {:?}: attempt {attempt}", claim.params.key))
         })?;
@@ -1923,7 +2002,14 @@ impl Answers {
         };
         let claimed = match doubt {
             None => EffectClaim::Claimed { fence },
-            Some(sent_ago) => EffectClaim::InDoubt { fence, sent_ago },
+            Some(Doubt {
+                sent_ago,
+                tried_ago,
+            }) => EffectClaim::InDoubt {
+                fence,
+                sent_ago,
+                tried_ago,
+            },
         };
         self.answer(claim.index, Written::EffectClaim(claimed));
         Ok(())

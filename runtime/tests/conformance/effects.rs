@@ -4,8 +4,8 @@
 use super::*;
 use idem::store::{
     ChildParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectFence, EffectPruneParams,
-    EffectStatus, EffectSucceedParams, Enqueued, Fence, JobFilter, JobState, SavePlanParams, Sent,
-    StoreError,
+    EffectStatus, EffectSucceedParams, Enqueued, Fence, JobFilter, JobState, Resolution,
+    SavePlanParams, Sent, StoreError,
 };
 
 /// Claim params for `key` by `worker`, which first claims a job of its own.
@@ -37,7 +37,9 @@ async fn claimed_in_doubt(
     params: EffectClaimParams,
 ) -> (EffectFence, Duration) {
     match store.effect_claim(params).await.unwrap() {
-        EffectClaim::InDoubt { fence, sent_ago } => (fence, sent_ago),
+        EffectClaim::InDoubt {
+            fence, sent_ago, ..
+        } => (fence, sent_ago),
         other => panic!("expected a claim in doubt, got {other:?}"),
     }
 }
@@ -693,6 +695,214 @@ pub async fn effect_in_doubt_after_an_ambiguous_try(store: Arc<dyn Store>) {
         "sticky"
     );
     claimed_in_doubt(&store, claim(&store, "k", "d", LONG).await).await;
+}
+
+/// A claim in doubt says how long ago the latest try that may have reached
+/// the provider was claimed; a claim that ends without a call (it only
+/// asked the provider, or deferred) does not make that try younger.
+async fn claimed_in_doubt_tried(
+    store: &Arc<dyn Store>,
+    params: EffectClaimParams,
+) -> (EffectFence, Duration) {
+    match store.effect_claim(params).await.unwrap() {
+        EffectClaim::InDoubt {
+            fence, tried_ago, ..
+        } => (fence, tried_ago),
+        other => panic!("expected a claim in doubt, got {other:?}"),
+    }
+}
+
+fn about(got: Duration, want: Duration) -> bool {
+    got >= want && got < want + Duration::from_secs(5)
+}
+
+/// Issue 25: the age of the latest try, for a lookup's "not applied".
+pub async fn effect_in_doubt_says_how_old_the_latest_try_is(store: Arc<dyn Store>) {
+    let give_back = |fence: EffectFence, sent: Sent| EffectFailParams {
+        fence,
+        status: EffectStatus::Retrying,
+        error_code: "lookup_unavailable".into(),
+        sent,
+    };
+    // A holder vanished mid-call: its try is the latest.
+    claimed(&store, claim(&store, "k", "a", SHORT).await).await;
+    advance(&store, PAST_SHORT).await;
+    let (b, tried_ago) = claimed_in_doubt_tried(&store, claim(&store, "k", "b", LONG).await).await;
+    assert!(about(tried_ago, PAST_SHORT), "{tried_ago:?}");
+    // B only asked (not applied, too recent): given back without a call.
+    store
+        .effect_set_failed(give_back(b, Sent::NotApplied))
+        .await
+        .unwrap();
+    advance(&store, Duration::from_secs(10)).await;
+    let (c, tried_ago) = claimed_in_doubt_tried(&store, claim(&store, "k", "c", LONG).await).await;
+    assert!(
+        about(tried_ago, PAST_SHORT + Duration::from_secs(10)),
+        "B's claim did not count as a try: {tried_ago:?}"
+    );
+    // C sent it again and its answer was ambiguous: C's try is the latest.
+    store
+        .effect_set_failed(give_back(c, Sent::MaybeApplied))
+        .await
+        .unwrap();
+    advance(&store, Duration::from_secs(20)).await;
+    let (_, tried_ago) = claimed_in_doubt_tried(&store, claim(&store, "k", "d", LONG).await).await;
+    assert!(about(tried_ago, Duration::from_secs(20)), "{tried_ago:?}");
+}
+
+/// Issue 25: the keys the reconcile sweep asks about, and its fenced
+/// answers.
+pub async fn effects_to_reconcile_and_their_fenced_answers(store: Arc<dyn Store>) {
+    let email = ["email".to_string()];
+    let listed = |store: Arc<dyn Store>, providers: Vec<String>, plugin: Option<&'static str>| async move {
+        store
+            .effects_to_reconcile(&providers, plugin, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|row| row.key)
+            .collect::<Vec<_>>()
+    };
+    // Never sent, or done: nothing to ask.
+    let fresh = claimed(&store, claim(&store, "fresh", "a", LONG).await).await;
+    let done = claimed(&store, claim(&store, "done", "a", LONG).await).await;
+    store
+        .effect_set_succeeded(EffectSucceedParams {
+            fence: done,
+            result_ref: None,
+        })
+        .await
+        .unwrap();
+    // A holder that vanished mid-call, and one whose answer was ambiguous.
+    claimed(&store, claim(&store, "vanished", "a", SHORT).await).await;
+    let ambiguous = claimed(&store, claim(&store, "ambiguous", "a", LONG).await).await;
+    store
+        .effect_set_failed(EffectFailParams {
+            fence: ambiguous,
+            status: EffectStatus::Failed,
+            error_code: "ambiguous_not_retried".into(),
+            sent: Sent::Unresolved,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        listed(store.clone(), email.to_vec(), None).await,
+        ["ambiguous"],
+        "a live lease is its holder's business"
+    );
+    advance(&store, PAST_SHORT).await;
+    let mut keys = listed(store.clone(), email.to_vec(), None).await;
+    keys.sort();
+    assert_eq!(
+        keys,
+        ["ambiguous", "vanished"],
+        "a live lease is still its holder's"
+    );
+    assert!(
+        listed(store.clone(), vec!["sms".into()], None)
+            .await
+            .is_empty()
+    );
+    assert!(
+        listed(store.clone(), email.to_vec(), Some("other_plugin"))
+            .await
+            .is_empty()
+    );
+    assert_eq!(
+        listed(store.clone(), email.to_vec(), Some("send_invoice_email"))
+            .await
+            .len(),
+        2
+    );
+    let rows = store.effects_to_reconcile(&email, None, 10).await.unwrap();
+    let vanished = rows.iter().find(|r| r.key == "vanished").unwrap().clone();
+    assert_eq!(
+        (
+            vanished.provider.as_str(),
+            vanished.plugin.as_str(),
+            vanished.fingerprint.as_str()
+        ),
+        ("email", "send_invoice_email", "fp-1")
+    );
+    assert!(about(vanished.tried_ago, PAST_SHORT), "{vanished:?}");
+
+    // A worker takes the key over between the sweep's read and its answer:
+    // the answer is fenced out.
+    let (taker, _) = claimed_in_doubt(&store, claim(&store, "vanished", "b", LONG).await).await;
+    assert!(
+        !store
+            .effect_reconcile("vanished", vanished.attempt, Resolution::NotApplied)
+            .await
+            .unwrap()
+    );
+    let row = store.effect_get("vanished").await.unwrap().unwrap();
+    assert_eq!((row.status, row.reached), (EffectStatus::Processing, true));
+    // That worker's lease runs out too; the sweep reads it again and settles.
+    advance(&store, LONG + Duration::from_secs(1)).await;
+    let again = store.effects_to_reconcile(&email, None, 10).await.unwrap();
+    let vanished = again.iter().find(|r| r.key == "vanished").unwrap().clone();
+    assert_eq!(vanished.attempt, taker.attempt);
+    assert!(
+        store
+            .effect_reconcile(
+                "vanished",
+                vanished.attempt,
+                Resolution::Applied {
+                    result_ref: Some("msg-7".into())
+                }
+            )
+            .await
+            .unwrap()
+    );
+    let row = store.effect_get("vanished").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Succeeded);
+    assert_eq!(row.result_ref.as_deref(), Some("msg-7"));
+    assert_eq!(
+        store
+            .effect_set_succeeded(EffectSucceedParams {
+                fence: taker,
+                result_ref: Some("late".into())
+            })
+            .await
+            .unwrap(),
+        Fence::FencedOut,
+        "the vanished holder's late write is fenced out"
+    );
+    assert!(
+        !store
+            .effect_reconcile("vanished", vanished.attempt, Resolution::NotApplied)
+            .await
+            .unwrap(),
+        "a settled key is not settled again"
+    );
+
+    // Not applied: the key is no longer in doubt; the next claim is a
+    // first try, not a repeat.
+    let ambiguous = again.iter().find(|r| r.key == "ambiguous").unwrap().clone();
+    assert!(
+        store
+            .effect_reconcile("ambiguous", ambiguous.attempt, Resolution::NotApplied)
+            .await
+            .unwrap()
+    );
+    let row = store.effect_get("ambiguous").await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.reached, row.in_doubt),
+        (EffectStatus::Retrying, false, false)
+    );
+    claimed(&store, claim(&store, "ambiguous", "c", LONG).await).await;
+    // The first holder of `fresh` vanished too (its lease ran out while it
+    // was `processing`): in doubt although never marked reached.
+    assert_eq!(listed(store.clone(), email.to_vec(), None).await, ["fresh"]);
+    let row = again.iter().find(|r| r.key == "fresh").unwrap().clone();
+    assert_eq!(row.attempt, fresh.attempt);
+    assert!(
+        store
+            .effect_reconcile("fresh", row.attempt, Resolution::NotApplied)
+            .await
+            .unwrap()
+    );
+    assert!(listed(store.clone(), email.to_vec(), None).await.is_empty());
 }
 
 /// Window 5: a worker claims a key only while it holds the key's job at its

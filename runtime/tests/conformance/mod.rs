@@ -135,6 +135,8 @@ macro_rules! conformance_suite {
             effects::effect_list_by_job,
             effects::effect_prune_keeps_recent_and_in_flight_rows,
             effects::effect_in_doubt_after_an_ambiguous_try,
+            effects::effect_in_doubt_says_how_old_the_latest_try_is,
+            effects::effects_to_reconcile_and_their_fenced_answers,
             effects::effect_claim_fenced_by_the_job_lease,
             effects::effect_reclaim_by_the_same_claim_is_the_same_claim,
             effects::children_finish_with_their_job_in_one_write,

@@ -1,0 +1,340 @@
+//! The reconcile sweep: keys left in doubt (a try may have reached a
+//! provider and nothing settled it since: every node crashed mid-call, a
+//! job was dead-lettered `may_not_resend`) are settled by asking their
+//! provider, where it offers a lookup, and the dead jobs whose only cause
+//! was such a key are replayed, paced as `idem dlq replay` is.
+//!
+//! The executor asks the same question for the keys of live jobs (see
+//! `Executor::ask_provider`); this sweep covers what no live job will ask
+//! again. It runs periodically beside every worker (`[worker]
+//! reconcile_interval`) and on demand (`idem effects reconcile`). Every
+//! write is fenced by the key's attempt as read, so a key claimed by a
+//! worker meanwhile is left to that worker.
+
+use crate::failure::{Code, Failure};
+use crate::metrics;
+use crate::ops::replay::{Pacer, ReplayRequest};
+use crate::providers::{GuardedProvider, Lookup, Providers};
+use crate::store::{EffectStatus, Job, JobFilter, JobId, JobState, Resolution, Store, StoreError};
+use serde::Serialize;
+use std::time::Duration;
+
+/// Codes a job is dead-lettered with when an effect of its plan is in
+/// doubt and nothing else went wrong.
+pub const IN_DOUBT_CODES: [Code; 3] = [
+    Code::MayNotResend,
+    Code::DedupeWindowPassed,
+    Code::AmbiguousNotRetried,
+];
+
+/// Keys asked about per sweep, and dead jobs looked at per code.
+pub const SWEEP_BATCH: u32 = 200;
+
+/// What one sweep is asked to do.
+///
+/// ```
+/// let request = idem::queue::reconcile::ReconcileRequest { plugin: None, dry_run: true, limit: 100 };
+/// ```
+#[derive(Debug, Clone)]
+pub struct ReconcileRequest {
+    /// Only keys and jobs of this plugin.
+    pub plugin: Option<String>,
+    /// Ask, and report what would be settled and replayed, but write nothing.
+    pub dry_run: bool,
+    /// Most keys asked about, and most dead jobs looked at.
+    pub limit: u32,
+}
+
+/// A key the sweep asked about, and what it found.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Asked {
+    /// The key.
+    pub key: String,
+    /// Its provider.
+    pub provider: String,
+    /// `applied`, `not_applied`, `too_recent`, `unavailable`, `unanswerable`.
+    pub outcome: &'static str,
+    /// The provider's reference (applied), or what it answered (the rest).
+    pub detail: Option<String>,
+    /// Whether the ledger took the answer (false in a dry run, or when the
+    /// key was claimed or settled meanwhile).
+    pub settled: bool,
+}
+
+/// A dead job the sweep left dead, and why.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct LeftDead {
+    /// The job.
+    pub id: JobId,
+    /// The key still in doubt, when that is the reason.
+    pub key: Option<String>,
+    /// Why.
+    pub reason: String,
+}
+
+/// What a sweep did.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ReconcileReport {
+    /// Whether nothing was written.
+    pub dry_run: bool,
+    /// Keys asked about.
+    pub asked: Vec<Asked>,
+    /// Dead jobs replayed (in a dry run: that would be replayed).
+    pub replayed: Vec<JobId>,
+    /// Dead jobs left dead.
+    pub left_dead: Vec<LeftDead>,
+}
+
+impl ReconcileReport {
+    /// Keys whose answer the ledger took.
+    pub fn settled(&self) -> usize {
+        self.asked.iter().filter(|a| a.settled).count()
+    }
+}
+
+/// One sweep: asks about the keys in doubt of the providers that offer a
+/// lookup, settles each one the answer allows, then replays the dead jobs
+/// whose only cause was a key in doubt and whose keys are all settled now.
+///
+/// `let report = reconcile_once(&*store, &providers, &request, &pacer).await?;`
+pub async fn reconcile_once(
+    store: &dyn Store,
+    providers: &Providers,
+    request: &ReconcileRequest,
+    pacer: &Pacer,
+) -> Result<ReconcileReport, StoreError> {
+    let mut report = ReconcileReport {
+        dry_run: request.dry_run,
+        ..ReconcileReport::default()
+    };
+    let askable: Vec<String> = providers
+        .iter()
+        .filter(|p| p.provider.lookup_policy().is_some())
+        .map(|p| p.name.clone())
+        .collect();
+    let rows = store
+        .effects_to_reconcile(&askable, request.plugin.as_deref(), request.limit)
+        .await?;
+    for row in rows {
+        let Some(provider) = providers.get(&row.provider) else {
+            continue;
+        };
+        let (outcome, detail, resolution) =
+            ask(&provider, &row.key, &row.fingerprint, row.tried_ago).await;
+        metrics::effect_reconciled(&row.provider, outcome);
+        let settled = match resolution {
+            Some(resolution) if !request.dry_run => {
+                store
+                    .effect_reconcile(&row.key, row.attempt, resolution)
+                    .await?
+            }
+            _ => false,
+        };
+        tracing::info!(key = %row.key, provider = %row.provider, outcome, settled, "reconcile: asked the provider about a key in doubt");
+        report.asked.push(Asked {
+            key: row.key,
+            provider: row.provider,
+            outcome,
+            detail,
+            settled,
+        });
+    }
+    let settled: std::collections::HashSet<String> = report
+        .asked
+        .iter()
+        .filter(|a| {
+            a.settled || (request.dry_run && matches!(a.outcome, "applied" | "not_applied"))
+        })
+        .map(|a| a.key.clone())
+        .collect();
+    if !settled.is_empty() {
+        replay_settled(store, request, pacer, &settled, &mut report).await?;
+    }
+    Ok(report)
+}
+
+/// Asks `provider` about `key`: the metric outcome, a detail, and the
+/// resolution the ledger may take (none while the answer is unknown or
+/// "not applied" is too recent to trust).
+async fn ask(
+    provider: &GuardedProvider,
+    key: &str,
+    fingerprint: &str,
+    tried_ago: Duration,
+) -> (&'static str, Option<String>, Option<Resolution>) {
+    let Some(policy) = provider.provider.lookup_policy() else {
+        return (
+            "unanswerable",
+            Some("the provider offers no lookup".into()),
+            None,
+        );
+    };
+    // Through the provider's guards, as any call: a slot, a rate token, and
+    // nothing while its circuit is open.
+    let permit = match provider.guard.enter().await {
+        Ok(permit) => permit,
+        Err(open) => {
+            return (
+                "unavailable",
+                Some(format!(
+                    "the provider's circuit is open (for {})",
+                    humantime::format_duration(Duration::from_secs(open.retry_after.as_secs()))
+                )),
+                None,
+            );
+        }
+    };
+    let answer =
+        match tokio::time::timeout(policy.timeout, provider.provider.look_up(key, fingerprint))
+            .await
+        {
+            Ok(answer) => answer,
+            Err(_) => Err(Failure::host(
+                Code::LookupUnavailable,
+                format!(
+                    "the lookup took longer than {}",
+                    humantime::format_duration(policy.timeout)
+                ),
+            )),
+        };
+    match answer {
+        Ok(Lookup::Applied { result_ref }) => {
+            permit.record(Ok(()));
+            (
+                "applied",
+                result_ref.clone(),
+                Some(Resolution::Applied { result_ref }),
+            )
+        }
+        Ok(Lookup::NotApplied) => {
+            permit.record(Ok(()));
+            let trusted_after = provider.provider.timeout() + policy.settle;
+            if tried_ago >= trusted_after {
+                ("not_applied", None, Some(Resolution::NotApplied))
+            } else {
+                (
+                    "too_recent",
+                    Some(format!(
+                        "not applied so far; trusted once the last try is {} old",
+                        humantime::format_duration(Duration::from_secs(trusted_after.as_secs()))
+                    )),
+                    None,
+                )
+            }
+        }
+        Err(failure) if failure.class.is_retried() => {
+            permit.record(Err(failure.class));
+            ("unavailable", Some(failure.message), None)
+        }
+        Err(failure) => {
+            permit.release();
+            ("unanswerable", Some(failure.message), None)
+        }
+    }
+}
+
+/// Replays the dead jobs whose only cause was a key in doubt, a key of
+/// whose plan this sweep settled (`settled`), once every key of their plan
+/// is settled (succeeded, or known not applied). A job whose key an
+/// operator resolved by hand stays for the operator to replay.
+async fn replay_settled(
+    store: &dyn Store,
+    request: &ReconcileRequest,
+    pacer: &Pacer,
+    settled: &std::collections::HashSet<String>,
+    report: &mut ReconcileReport,
+) -> Result<(), StoreError> {
+    for code in IN_DOUBT_CODES {
+        let dead = store
+            .job_list(JobFilter {
+                states: vec![JobState::Dead],
+                plugin: request.plugin.clone(),
+                error_code: Some(code.as_str().to_string()),
+                limit: request.limit,
+                ..JobFilter::default()
+            })
+            .await?;
+        for job in dead {
+            let keys = job
+                .plan
+                .as_ref()
+                .map(|plan| crate::store::plan_keys(std::iter::once(plan)))
+                .unwrap_or_default();
+            if !keys.iter().any(|key| settled.contains(key)) {
+                continue;
+            }
+            match unsettled_key(store, &job, &keys, request.dry_run.then_some(settled)).await? {
+                Some(reason) => report.left_dead.push(reason),
+                None if request.dry_run => report.replayed.push(job.id),
+                None => {
+                    let outcome = crate::ops::replay::replay(
+                        store,
+                        ReplayRequest {
+                            ids: vec![job.id],
+                            ..ReplayRequest::default()
+                        },
+                        pacer,
+                    )
+                    .await
+                    .map_err(|e| match e {
+                        crate::ops::OpsError::Store(e) => e,
+                        other => StoreError::Corrupt(other.to_string()),
+                    })?;
+                    report
+                        .replayed
+                        .extend(outcome.replayed.iter().map(|r| r.id));
+                    report.left_dead.extend(
+                        outcome
+                            .refused
+                            .into_iter()
+                            .chain(outcome.skipped)
+                            .map(|r| LeftDead {
+                                id: r.id,
+                                key: r.key,
+                                reason: r.message,
+                            }),
+                    );
+                }
+            }
+        }
+    }
+    if !report.replayed.is_empty() {
+        tracing::info!(jobs = ?report.replayed, dry_run = request.dry_run, "reconcile: dead jobs whose effects in doubt are settled replayed");
+    }
+    Ok(())
+}
+
+/// Why `job` cannot be replayed yet: a key of its plan (`keys`) still in
+/// doubt; `None` when every key is settled. A dry run counts the keys it
+/// would have settled (`would_settle`) as settled.
+async fn unsettled_key(
+    store: &dyn Store,
+    job: &Job,
+    keys: &[String],
+    would_settle: Option<&std::collections::HashSet<String>>,
+) -> Result<Option<LeftDead>, StoreError> {
+    for key in keys {
+        if would_settle.is_some_and(|keys| keys.contains(key)) {
+            continue;
+        }
+        let Some(row) = store.effect_get(key).await? else {
+            continue;
+        };
+        // Held (a holder may be calling), marked reached and not settled,
+        // or left for an operator.
+        let in_doubt = row.in_doubt
+            || row.status == EffectStatus::Processing
+            || (row.reached && row.status == EffectStatus::Retrying);
+        if in_doubt {
+            return Ok(Some(LeftDead {
+                id: job.id,
+                key: Some(key.clone()),
+                reason: format!(
+                    "its effect is still in doubt: provider {:?} could not settle it yet",
+                    row.provider
+                ),
+            }));
+        }
+    }
+    Ok(None)
+}
