@@ -146,7 +146,7 @@ pub enum Code {
 
 impl Code {
     /// Every code.
-    pub const ALL: [Code; 47] = [
+    pub const ALL: [Code; 49] = [
         Code::PluginTimeout,
         Code::PluginOutOfMemory,
         Code::PluginStackOverflow,
