@@ -1,10 +1,13 @@
 //! The http and email providers against real servers: every outcome is
-//! classified, the key, auth and signature headers are sent.
+//! classified, the key, auth and signature headers are sent. Lookups (issue
+//! 25): an http provider asked by its `lookup`, a sql provider by its guard
+//! table on SQLite and PostgreSQL.
 
 use idem::effects::{Action, Effect};
 use idem::failure::ErrorClass;
 use idem::providers::http::{HttpProvider, sign};
-use idem::providers::{Provider, ProviderConfig};
+use idem::providers::sql::SqlProvider;
+use idem::providers::{Lookup, Provider, ProviderConfig};
 use idem_provider_server::{Fault, ProviderServerConfig, ProviderServerHandle};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -204,4 +207,420 @@ async fn the_key_auth_and_signature_headers_are_sent_and_secrets_come_from_the_h
         .err()
         .unwrap();
     assert!(err.contains("IDEM_TEST_NO_SUCH_VAR"), "{err}");
+}
+
+/// An email provider whose lookup is the provider server's `GET /by-key/{key}`.
+fn with_lookup(base_url: &str, lookup: &str) -> HttpProvider {
+    HttpProvider::from_config(
+        "email",
+        &config(
+            "email",
+            base_url,
+            &format!("lookup = {{ path = \"/by-key/{{key}}\"{lookup} }}"),
+        ),
+    )
+    .unwrap()
+}
+
+fn applied(result_ref: &str) -> Lookup {
+    Lookup::Applied {
+        result_ref: Some(result_ref.into()),
+    }
+}
+
+#[tokio::test]
+async fn a_lookup_tells_an_applied_key_from_one_never_applied() {
+    let server = ProviderServerHandle::start(ProviderServerConfig::default())
+        .await
+        .unwrap();
+    let provider = with_lookup(&server.base_url, "");
+    // A key as the host writes it (PLUGIN/KEY), with a space.
+    let key = "billing/invoice 42";
+    let sent = provider
+        .execute(&email(key, "a@example.com"))
+        .await
+        .unwrap()
+        .result_ref
+        .unwrap();
+    assert_eq!(
+        provider.look_up(key, "unused").await,
+        Ok(applied(&sent)),
+        "the id of the stored response"
+    );
+    assert_eq!(
+        provider.look_up("billing/invoice 43", "unused").await,
+        Ok(Lookup::NotApplied)
+    );
+    assert_eq!(server.applied(key), 1, "a lookup applies nothing");
+    assert_eq!(server.lookups(key), 1);
+    assert_eq!(server.lookups("billing/invoice 43"), 1);
+    let calls = server.calls().await;
+    let paths: Vec<_> = calls
+        .iter()
+        .filter(|c| c.method == "GET")
+        .map(|c| (c.path.as_str(), c.key.clone()))
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            ("/by-key/billing%2Finvoice%2042", None),
+            ("/by-key/billing%2Finvoice%2043", None)
+        ],
+        "the key percent-encoded, `/` included; no Idempotency-Key sent"
+    );
+
+    // Could not ask now: retryable, with the provider's Retry-After.
+    server.script_path_faults(
+        "/by-key/billing%2Finvoice%2042",
+        vec![Fault::TooManyRequests, Fault::ServerError, Fault::Late],
+    );
+    for code in ["429", "500", "timeout"] {
+        let failed = provider.look_up(key, "unused").await.unwrap_err();
+        assert_eq!(
+            (failed.class, failed.code.as_str()),
+            (ErrorClass::Retryable, "lookup_unavailable"),
+            "{code}: {failed}"
+        );
+        assert_eq!(
+            failed.retry_after,
+            (code == "429").then_some(Duration::from_secs(1)),
+            "{code}"
+        );
+    }
+    // The documented risk: a provider whose lookup lies is believed.
+    server.set_lookup_lies(true);
+    assert_eq!(
+        provider.look_up(key, "unused").await,
+        Ok(Lookup::NotApplied)
+    );
+    server.set_lookup_lies(false);
+    assert_eq!(provider.look_up(key, "unused").await, Ok(applied(&sent)));
+    assert_eq!(server.applied(key), 1);
+    // Nothing listening: could not ask.
+    let closed = with_lookup("http://127.0.0.1:1", "");
+    let failed = closed.look_up(key, "unused").await.unwrap_err();
+    assert_eq!(
+        (failed.class, failed.code.as_str()),
+        (ErrorClass::Retryable, "lookup_unavailable")
+    );
+}
+
+/// A provider answering lookups as real APIs do: a search that answers 200
+/// with a list, 503 with `Retry-After`, 400 with an error code, a redirect.
+async fn partner_api() -> (String, Arc<Mutex<Vec<axum::http::HeaderMap>>>) {
+    use axum::http::{StatusCode, Uri};
+    use axum::response::IntoResponse;
+    let seen: Arc<Mutex<Vec<axum::http::HeaderMap>>> = Arc::default();
+    let captured = seen.clone();
+    let app = axum::Router::new().fallback(move |uri: Uri, headers: axum::http::HeaderMap| {
+        let captured = captured.clone();
+        async move {
+            captured.lock().unwrap().push(headers);
+            let json = |status: StatusCode, body: serde_json::Value| {
+                (status, axum::Json(body)).into_response()
+            };
+            match uri.path_and_query().map(|p| p.as_str()).unwrap_or("") {
+                "/v1/emails?idempotency_key=billing%2Fsent" => json(
+                    StatusCode::OK,
+                    serde_json::json!({"data": [{"id": "em_1"}]}),
+                ),
+                "/v1/emails?idempotency_key=billing%2Fnot-sent" => {
+                    json(StatusCode::OK, serde_json::json!({"data": []}))
+                }
+                "/v1/emails?idempotency_key=billing%2Fbusy" => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    [("retry-after", "7")],
+                    "down for maintenance",
+                )
+                    .into_response(),
+                "/v1/emails?idempotency_key=billing%2Fbad" => json(
+                    StatusCode::BAD_REQUEST,
+                    serde_json::json!({"error": {"code": "invalid_filter"}}),
+                ),
+                "/v1/emails?idempotency_key=billing%2Fmoved" => (
+                    StatusCode::FOUND,
+                    [("location", "http://127.0.0.1:1/elsewhere")],
+                )
+                    .into_response(),
+                other => json(
+                    StatusCode::IM_A_TEAPOT,
+                    serde_json::json!({"unexpected": other}),
+                ),
+            }
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}/v1"), seen)
+}
+
+#[tokio::test]
+async fn a_search_lookup_maps_every_answer() {
+    let (base_url, seen) = partner_api().await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("token"), "s3cret").unwrap();
+    let provider = HttpProvider::from_config(
+        "partner",
+        &config(
+            "http",
+            &base_url,
+            &format!(
+                "auth = {{ file = \"{}\" }}\n\
+                 lookup = {{ path = \"/emails?idempotency_key={{key}}\", \
+                 result = {{ json_pointer = \"/data/0/id\" }}, when_no_result = \"not_applied\", \
+                 settle = \"1m\" }}",
+                dir.path().join("token").display()
+            ),
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        provider.lookup_policy().map(|p| (p.settle, p.timeout)),
+        Some((Duration::from_secs(60), Duration::from_millis(300)))
+    );
+    assert_eq!(
+        provider.look_up("billing/sent", "f").await,
+        Ok(applied("em_1"))
+    );
+    let headers = seen.lock().unwrap().remove(0);
+    assert_eq!(headers["authorization"], "Bearer s3cret");
+    assert!(headers.get("idempotency-key").is_none());
+    assert!(headers.get("x-idem-signature").is_none());
+    assert_eq!(
+        provider.look_up("billing/not-sent", "f").await,
+        Ok(Lookup::NotApplied),
+        "an empty search with when_no_result = not_applied"
+    );
+    let busy = provider.look_up("billing/busy", "f").await.unwrap_err();
+    assert_eq!(
+        (busy.class, busy.code.as_str(), busy.retry_after),
+        (
+            ErrorClass::Retryable,
+            "lookup_unavailable",
+            Some(Duration::from_secs(7))
+        )
+    );
+    assert!(busy.message.contains("503"), "{}", busy.message);
+    for (key, said) in [
+        ("billing/bad", "400 Bad Request"),
+        ("billing/bad", "invalid_filter"),
+        ("billing/moved", "302 Found"),
+        ("billing/moved", "redirects are not followed"),
+    ] {
+        let refused = provider.look_up(key, "f").await.unwrap_err();
+        assert_eq!(
+            (refused.class, refused.code.as_str()),
+            (ErrorClass::Permanent, "lookup_unanswerable"),
+            "{key}"
+        );
+        assert!(refused.message.contains(said), "{key}: {}", refused.message);
+    }
+    // A lookup path that leaves the base URL is refused at start.
+    let refused = HttpProvider::from_config(
+        "partner",
+        &config("http", &base_url, "lookup = { path = \"/../admin/{key}\" }"),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        refused.contains("leaves the provider's base URL"),
+        "{refused}"
+    );
+}
+
+/// A provider that holds every lookup until a second one is in flight (or
+/// 300 ms pass), and records the most it saw at once.
+async fn slow_api() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let seen = most.clone();
+    let app = axum::Router::new().fallback(move || {
+        let (in_flight, most) = (in_flight.clone(), most.clone());
+        async move {
+            let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            let until = tokio::time::Instant::now() + Duration::from_millis(300);
+            while in_flight.load(Ordering::SeqCst) < 2 && tokio::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            axum::Json(serde_json::json!({"id": "em_1"}))
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), seen)
+}
+
+/// `max_in_flight = 1`: two lookups at once reach the provider one after
+/// the other; with 2 they overlap (so the check can fail).
+#[tokio::test]
+async fn lookups_beyond_the_budget_wait_their_turn() {
+    for (budget, want) in [(1, 1), (2, 2)] {
+        let (base_url, most) = slow_api().await;
+        let provider = HttpProvider::from_config(
+            "email",
+            &config(
+                "email",
+                &base_url,
+                &format!(
+                    "lookup = {{ path = \"/by-key/{{key}}\", timeout = \"5s\", \
+                     max_in_flight = {budget}, rate_per_second = 0 }}"
+                ),
+            ),
+        )
+        .unwrap();
+        let (a, b) = tokio::join!(provider.look_up("p/a", "f"), provider.look_up("p/b", "f"));
+        assert_eq!((a, b), (Ok(applied("em_1")), Ok(applied("em_1"))));
+        assert_eq!(
+            most.load(std::sync::atomic::Ordering::SeqCst),
+            want,
+            "max_in_flight = {budget}"
+        );
+    }
+}
+
+fn statement_effect(key: &str, order: &str) -> Effect {
+    Effect {
+        provider: "billing_db".into(),
+        idempotency_key: key.into(),
+        action: Action::Custom {
+            body: idem_sdk::sql::SqlCall {
+                statement: "create_invoice".into(),
+                params: vec![order.into()],
+            }
+            .to_body(),
+        },
+    }
+}
+
+/// The guard table answers: the key with its fingerprint is applied (with
+/// the statement's reference), with another a conflict, an unknown key not
+/// applied; an unreachable database cannot be asked.
+async fn the_guard_table_answers_lookups(url: &str) {
+    let config: ProviderConfig = toml::from_str(&format!(
+        "kind = \"sql\"\nurl = \"{url}\"\ntimeout = \"2s\"\n\
+         statements.create_invoice = \"INSERT INTO invoices (order_id) VALUES ($1) RETURNING order_id\""
+    ))
+    .unwrap();
+    let provider = SqlProvider::from_config("billing_db", &config, "sqlite://store.db").unwrap();
+    let policy = provider.lookup_policy().expect("another database is asked");
+    assert_eq!(policy.settle, Duration::ZERO, "a guard row never lags");
+    // Before anything ran (the guard table is made by the lookup itself).
+    let effect = statement_effect("billing/order:1", "o-1");
+    let fingerprint = idem::effects::fingerprint(&effect);
+    assert_eq!(
+        provider.look_up("billing/order:1", &fingerprint).await,
+        Ok(Lookup::NotApplied)
+    );
+    let delivered = provider.execute(&effect).await.unwrap();
+    assert_eq!(delivered.result_ref.as_deref(), Some("o-1"));
+    assert_eq!(
+        provider.look_up("billing/order:1", &fingerprint).await,
+        Ok(applied("o-1"))
+    );
+    let conflict = provider
+        .look_up(
+            "billing/order:1",
+            &idem::effects::fingerprint(&statement_effect("billing/order:1", "o-2")),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (conflict.class, conflict.code.as_str()),
+        (ErrorClass::Permanent, "lookup_unanswerable")
+    );
+    assert!(
+        conflict.message.contains("conflict"),
+        "{}",
+        conflict.message
+    );
+    assert_eq!(
+        provider.look_up("billing/order:2", &fingerprint).await,
+        Ok(Lookup::NotApplied)
+    );
+}
+
+#[tokio::test]
+async fn a_sql_provider_on_another_sqlite_file_answers_from_its_guard() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("billing.db");
+    let url = format!("sqlite://{}", path.display());
+    let options: sqlx::sqlite::SqliteConnectOptions = url.parse().unwrap();
+    let pool = sqlx::SqlitePool::connect_with(options.create_if_missing(true))
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE invoices (order_id TEXT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    the_guard_table_answers_lookups(&url).await;
+    // A file that is not there is not created: the lookup cannot be asked.
+    let missing = format!("sqlite://{}", dir.path().join("missing.db").display());
+    let config: ProviderConfig = toml::from_str(&format!(
+        "kind = \"sql\"\nurl = \"{missing}\"\ntimeout = \"1s\"\nstatements.a = \"SELECT 1\""
+    ))
+    .unwrap();
+    let provider = SqlProvider::from_config("billing_db", &config, "sqlite://store.db").unwrap();
+    let failed = provider.look_up("k", "f").await.unwrap_err();
+    assert_eq!(
+        (failed.class, failed.code.as_str()),
+        (ErrorClass::Retryable, "lookup_unavailable"),
+        "{failed}"
+    );
+    // The store's own database is never asked.
+    let own: ProviderConfig =
+        toml::from_str("kind = \"sql\"\nstatements.a = \"SELECT 1\"").unwrap();
+    let own = SqlProvider::from_config("billing_db", &own, "sqlite://store.db").unwrap();
+    assert_eq!(own.lookup_policy(), None);
+    assert_eq!(
+        own.look_up("k", "f").await.unwrap_err().code,
+        "lookup_unanswerable"
+    );
+}
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string())
+}
+
+#[tokio::test]
+async fn a_sql_provider_on_another_postgres_database_answers_from_its_guard() {
+    // A schema of its own, so the guard table idem_effects is this test's.
+    let schema = format!("lookup_{}", hex::encode(rand::random::<[u8; 6]>()));
+    let admin = sqlx::PgPool::connect(&database_url()).await.unwrap();
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "CREATE TABLE {schema}.invoices (order_id TEXT PRIMARY KEY)"
+    ))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let url = format!("{}?options=-c%20search_path%3D{schema}", database_url());
+    the_guard_table_answers_lookups(&url).await;
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    // Nothing listening: the guard cannot be asked now.
+    let config: ProviderConfig = toml::from_str(
+        "kind = \"sql\"\nurl = \"postgres://postgres@127.0.0.1:1/test\"\ntimeout = \"1s\"\n\
+         statements.a = \"SELECT 1\"",
+    )
+    .unwrap();
+    let provider = SqlProvider::from_config("billing_db", &config, "sqlite://store.db").unwrap();
+    let failed = provider.look_up("k", "f").await.unwrap_err();
+    assert_eq!(
+        (failed.class, failed.code.as_str()),
+        (ErrorClass::Retryable, "lookup_unavailable"),
+        "{failed}"
+    );
 }

@@ -30,7 +30,7 @@ use tokio::{
 
 use super::{
     fault::Fault,
-    state::{Begin, Delivery, IncomingRequest, Reply, Shared, error_reply},
+    state::{Begin, Delivery, IncomingRequest, LOOKUP_PREFIX, Reply, Shared, error_reply},
 };
 
 /// Request bodies above this size are refused (413) by axum.
@@ -104,6 +104,21 @@ async fn provider(
     if parts.uri.path().starts_with("/_") {
         return to_response(error_reply(404, "not_found", "unknown control path", &[]));
     }
+    if matches!(parts.method.as_str(), "GET" | "HEAD")
+        && parts.uri.path().starts_with(LOOKUP_PREFIX)
+    {
+        let reply = shared.look_up(IncomingRequest {
+            method: parts.method.as_str().to_owned(),
+            path: parts.uri.path().to_owned(),
+            key_header: None,
+            fault_header: parts
+                .headers
+                .get("x-idem-fault")
+                .map(|v| v.as_bytes().to_vec()),
+            body: Bytes::new(),
+        });
+        return deliver(reply, &conn).await;
+    }
     let body = match axum::body::to_bytes(body, BODY_LIMIT).await {
         Ok(body) => body,
         Err(e) => {
@@ -131,6 +146,11 @@ async fn provider(
             in_flight.finish()
         }
     };
+    deliver(reply, &conn).await
+}
+
+/// Sends `reply` now, late, or never (its connection killed).
+async fn deliver(reply: Reply, conn: &ConnHandle) -> Response {
     match reply.delivery {
         Delivery::Now => to_response(reply),
         Delivery::Late(by) => {

@@ -6,6 +6,13 @@
 //! # Endpoints
 //! - `POST /emails`: Resend-like email API, answers 200 `{"id": "msg_<hex>"}`; a missing
 //!   or empty `to`, or a recipient without `@`, answers 422 `invalid_recipient`.
+//! - `GET /by-key/{key}` (the key percent-encoded): a lookup, answering the key's
+//!   stored first 2xx response (same status and body, so `/id` reads its id) or 404
+//!   `not_found`. It applies nothing and is not a request with the key: it is
+//!   counted by [`ProviderServerHandle::lookups`] and recorded in `GET /_calls`
+//!   (without a key). Faults reach it by header, by path script (the path as
+//!   sent, percent-encoded) and by the random rates, never by key script.
+//!   [`ProviderServerHandle::set_lookup_lies`] makes it answer 404 for every key.
 //! - any other method and path: a generic webhook/API, answers 200
 //!   `{"id": "req_<hex>", "received": true}`.
 //! - `GET /_calls`, `GET /_effects`, `POST /_reset`, `POST /_faults`, `GET /_health`:
@@ -76,6 +83,9 @@ pub struct ProviderServerConfig {
     pub processing_delay: Duration,
     /// Longest accepted `Idempotency-Key`, in bytes (default 256); longer keys get 400.
     pub max_key_len: usize,
+    /// Lookups answer 404 even for applied keys (default false): a provider whose
+    /// lookup lies, for tests of the documented risk.
+    pub lookup_lies: bool,
 }
 
 impl Default for ProviderServerConfig {
@@ -86,6 +96,7 @@ impl Default for ProviderServerConfig {
             late_by: Duration::from_secs(3),
             processing_delay: Duration::ZERO,
             max_key_len: 256,
+            lookup_lies: false,
         }
     }
 }
@@ -231,6 +242,21 @@ impl ProviderServerHandle {
     /// `assert_eq!(provider.requests("invoice:42:email:v1"), 3);`
     pub fn requests(&self, key: &str) -> u32 {
         self.shared.requests(key)
+    }
+
+    /// How many lookups (`GET /by-key/{key}`) asked about `key`, whatever their
+    /// answer (lookups count neither as requests nor as applications).
+    ///
+    /// `assert_eq!(provider.lookups("billing/invoice-42"), 1);`
+    pub fn lookups(&self, key: &str) -> u32 {
+        self.shared.lookups(key)
+    }
+
+    /// Makes lookups answer 404 for every key (`true`), or tell the truth again.
+    ///
+    /// `provider.set_lookup_lies(true);`
+    pub fn set_lookup_lies(&self, lies: bool) {
+        self.shared.set_lookup_lies(lies);
     }
 
     /// Queues faults for the next requests carrying `key`, consumed in order.

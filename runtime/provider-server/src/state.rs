@@ -2,7 +2,10 @@
 
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -19,6 +22,9 @@ use super::{
 
 /// The key under which requests without an `Idempotency-Key` are counted.
 pub const UNKEYED: &str = "";
+
+/// The lookup endpoint: `GET /by-key/{key}`, the key percent-encoded.
+pub(crate) const LOOKUP_PREFIX: &str = "/by-key/";
 
 /// Expired idempotency records are swept every this many requests.
 const SWEEP_EVERY: u64 = 4096;
@@ -142,6 +148,8 @@ struct Inner {
     calls: VecDeque<RecordedCall>,
     key_scripts: HashMap<String, VecDeque<Fault>>,
     path_scripts: HashMap<String, VecDeque<Fault>>,
+    /// Lookups (`GET /by-key/{key}`) per key, whatever their answer.
+    lookups: HashMap<String, u32>,
 }
 
 /// Everything a request needs to be finished after an await.
@@ -160,14 +168,106 @@ struct Ctx {
 pub(crate) struct Shared {
     pub config: ProviderServerConfig,
     inner: Mutex<Inner>,
+    /// Lookups answer 404 even for applied keys (a provider whose lookup
+    /// lies, for the documented-risk tests).
+    lookup_lies: AtomicBool,
 }
 
 impl Shared {
     pub fn new(config: ProviderServerConfig) -> Arc<Self> {
         Arc::new(Self {
+            lookup_lies: AtomicBool::new(config.lookup_lies),
             config,
             inner: Mutex::new(Inner::default()),
         })
+    }
+
+    pub fn lookups(&self, key: &str) -> u32 {
+        self.lock().lookups.get(key).copied().unwrap_or(0)
+    }
+
+    pub fn set_lookup_lies(&self, lies: bool) {
+        self.lookup_lies.store(lies, Ordering::Relaxed);
+    }
+
+    /// Answers a lookup (`GET /by-key/{key}`): the stored first 2xx
+    /// response of the key, as it was sent, or 404 `not_found` (also while
+    /// the key's request is still processing, and always when lookups lie).
+    /// Never applies anything and never counts as a request with the key;
+    /// it is recorded in the calls and in [`Shared::lookups`]. Faults come
+    /// from the `X-Idem-Fault` header, then the script of the request's
+    /// path as received (percent-encoded), then the random rates.
+    pub fn look_up(&self, req: IncomingRequest) -> Reply {
+        let config = &self.config;
+        let mut inner = self.lock();
+        inner.seq += 1;
+        let mut ctx = Ctx {
+            seq: inner.seq,
+            at: Utc::now(),
+            method: req.method,
+            path: req.path,
+            key: None,
+            fingerprint: String::new(),
+            body: Bytes::new(),
+            fault: None,
+            fault_source: None,
+        };
+        let encoded = ctx.path.strip_prefix(LOOKUP_PREFIX).unwrap_or_default();
+        let key = match percent_decode(encoded) {
+            Ok(key) if !key.is_empty() => key,
+            Ok(_) => {
+                let reply = error_reply(400, "invalid_lookup_key", "the key is empty", &[]);
+                return inner.record(&ctx, reply, false);
+            }
+            Err(message) => {
+                let reply = error_reply(400, "invalid_lookup_key", &message, &[]);
+                return inner.record(&ctx, reply, false);
+            }
+        };
+        *inner.lookups.entry(key.clone()).or_default() += 1;
+        match parse_fault_header(req.fault_header.as_deref()) {
+            Ok(Some(fault)) => {
+                ctx.fault = Some(fault);
+                ctx.fault_source = Some(FaultSource::Header);
+            }
+            Ok(None) => {
+                if let Some(fault) = inner.pop_script(None, &ctx.path) {
+                    ctx.fault = Some(fault);
+                    ctx.fault_source = Some(FaultSource::Script);
+                } else if let Some(fault) = config.faults.draw() {
+                    ctx.fault = Some(fault);
+                    ctx.fault_source = Some(FaultSource::Random);
+                }
+            }
+            Err(message) => {
+                let reply = error_reply(400, "invalid_fault_header", &message, &[]);
+                return inner.record(&ctx, reply, false);
+            }
+        }
+        if let Some(fault) = ctx.fault.filter(|f| f.rejects()) {
+            let reply = fault_reply(fault, config);
+            return inner.record(&ctx, reply, false);
+        }
+        let stored = match inner.slots.get(&key) {
+            Some(Slot::Done(stored)) if stored.stored_at.elapsed() < config.key_ttl => Some(stored),
+            _ => None,
+        };
+        let reply = match stored {
+            Some(stored) if !self.lookup_lies.load(Ordering::Relaxed) => Reply {
+                status: stored.status,
+                body: stored.body.clone(),
+                headers: vec![("idempotency-key", key)],
+                delivery: Delivery::Now,
+            },
+            _ => error_reply(
+                404,
+                "not_found",
+                "no request was applied under this key",
+                &[],
+            ),
+        };
+        let reply = with_delivery(reply, ctx.fault, config);
+        inner.record(&ctx, reply, false)
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -603,6 +703,30 @@ fn parse_key(header: Option<&[u8]>, max_len: usize) -> Result<Option<String>, St
     Ok(Some(key.to_owned()))
 }
 
+/// `%XX` escapes decoded (both hex digits required; `+` stays `+`); the
+/// result must be UTF-8.
+fn percent_decode(text: &str) -> Result<String, String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes
+                .get(i + 1..i + 3)
+                .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| format!("bad percent escape at byte {i} of the key"))?;
+            out.push(hex);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| "the key is not UTF-8".to_owned())
+}
+
 fn parse_fault_header(header: Option<&[u8]>) -> Result<Option<Fault>, String> {
     let Some(raw) = header else { return Ok(None) };
     let name = String::from_utf8_lossy(raw);
@@ -719,6 +843,15 @@ mod tests {
         assert!(validate("POST", "/emails", br#"{"to":["nobody"]}"#).is_err());
         assert!(validate("POST", "/emails", b"not json").is_err());
         assert!(validate("POST", "/hooks", br#"{"to":[]}"#).is_ok());
+    }
+
+    #[test]
+    fn lookup_keys_are_percent_decoded() {
+        assert_eq!(percent_decode("p%2Fk%20a+b").as_deref(), Ok("p/k a+b"));
+        assert_eq!(percent_decode("%C3%A9").as_deref(), Ok("é"));
+        assert!(percent_decode("%2").is_err());
+        assert!(percent_decode("%+F").is_err());
+        assert!(percent_decode("%FF").is_err(), "not UTF-8");
     }
 
     #[test]

@@ -596,3 +596,94 @@ fn cli_constructor_fits_the_flags() {
         ProviderServerConfig::default()
     );
 }
+
+async fn look_up(
+    client: &Client,
+    provider: &ProviderServerHandle,
+    encoded: &str,
+) -> (StatusCode, Value) {
+    let response = client
+        .get(provider.url(&format!("/by-key/{encoded}")))
+        .send()
+        .await
+        .expect("response");
+    let status = response.status();
+    (status, response.json().await.expect("json body"))
+}
+
+/// `GET /by-key/{key}` answers the stored first response of the key (its
+/// id at `/id`) or 404, is counted apart from requests and applications,
+/// takes path-scripted faults, and lies when told to.
+#[tokio::test]
+async fn a_lookup_answers_the_stored_response_without_applying_anything() {
+    let provider = start(test_config()).await;
+    let client = client();
+    let key = "billing/invoice 42";
+    let encoded = "billing%2Finvoice%2042";
+    let (status, body) = look_up(&client, &provider, encoded).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(error_code(&body), "not_found");
+    let (status, _, sent) = send(
+        &client,
+        &provider.url("/emails"),
+        Some(key),
+        &email("ada@example.com"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, found) = look_up(&client, &provider, encoded).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(found, sent, "the stored body, so /id reads the same id");
+    assert_eq!(provider.applied(key), 1, "a lookup applies nothing");
+    assert_eq!(
+        provider.requests(key),
+        1,
+        "nor is it a request with the key"
+    );
+    assert_eq!(provider.lookups(key), 2);
+    let calls = provider.calls().await;
+    let lookups: Vec<_> = calls.iter().filter(|c| c.method == "GET").collect();
+    assert_eq!(lookups.len(), 2);
+    assert_eq!(lookups[1].path, format!("/by-key/{encoded}"));
+    assert_eq!(lookups[1].key, None);
+
+    // Faults scripted for the lookup's path (as sent) reach it, once.
+    let path = format!("/by-key/{encoded}");
+    provider.script_path_faults(&path, vec![Fault::ServerError, Fault::TooManyRequests]);
+    assert_eq!(
+        look_up(&client, &provider, encoded).await.0,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_eq!(
+        look_up(&client, &provider, encoded).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(look_up(&client, &provider, encoded).await.0, StatusCode::OK);
+    // A key script is for requests carrying the key, not for lookups.
+    provider.script_faults(key, vec![Fault::BadRequest]);
+    assert_eq!(look_up(&client, &provider, encoded).await.0, StatusCode::OK);
+
+    provider.set_lookup_lies(true);
+    assert_eq!(
+        look_up(&client, &provider, encoded).await.0,
+        StatusCode::NOT_FOUND
+    );
+    provider.set_lookup_lies(false);
+    assert_eq!(look_up(&client, &provider, encoded).await.0, StatusCode::OK);
+    assert_eq!(provider.applied(key), 1);
+
+    // A POST to the same path is an ordinary request, not a lookup.
+    let (status, _, _) = send(
+        &client,
+        &provider.url("/by-key/x"),
+        Some("k:post"),
+        &json!({}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(provider.applied("k:post"), 1);
+    assert_eq!(provider.lookups("x"), 0);
+    let (status, body) = look_up(&client, &provider, "%zz").await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(error_code(&body), "invalid_lookup_key");
+}

@@ -80,7 +80,9 @@ enum Breaker {
     },
 }
 
-struct TokenBucket {
+/// A token bucket of `per_second` tokens a second, holding at most one
+/// second's worth (at least one token); the lookup budget uses it too.
+pub(super) struct TokenBucket {
     tokens: f64,
     capacity: f64,
     per_second: f64,
@@ -88,13 +90,23 @@ struct TokenBucket {
 }
 
 impl TokenBucket {
+    /// A full bucket; `None` for a rate of 0 (unlimited).
+    pub(super) fn new(per_second: f64) -> Option<Self> {
+        (per_second > 0.0).then(|| TokenBucket {
+            tokens: per_second.max(1.0),
+            capacity: per_second.max(1.0),
+            per_second,
+            last: Instant::now(),
+        })
+    }
+
     /// Returns a token taken for a call that was not made.
     fn give_back(&mut self) {
         self.tokens = (self.tokens + 1.0).min(self.capacity);
     }
 
     /// Takes a token, or says how long until one is there.
-    fn take(&mut self) -> Option<Duration> {
+    pub(super) fn take(&mut self) -> Option<Duration> {
         let now = Instant::now();
         let elapsed = now.duration_since(self.last).as_secs_f64();
         self.last = now;
@@ -130,14 +142,7 @@ impl Guard {
 
     /// A guard with this configuration.
     pub fn new(config: &GuardConfig) -> Self {
-        let rate = (config.rate_per_second > 0.0).then(|| {
-            Mutex::new(TokenBucket {
-                tokens: config.rate_per_second.max(1.0),
-                capacity: config.rate_per_second.max(1.0),
-                per_second: config.rate_per_second,
-                last: Instant::now(),
-            })
-        });
+        let rate = TokenBucket::new(config.rate_per_second).map(Mutex::new);
         Guard {
             slots: Arc::new(Semaphore::new(config.concurrency.max(1))),
             rate,

@@ -5,7 +5,8 @@
 //! `idempotency_key_conflict`.
 
 use super::config::{ProviderConfig, ProviderKind, ResultRef};
-use super::{Dedupe, Delivered, Provider};
+use super::lookup::{Found, HttpLookup, find_result};
+use super::{Dedupe, Delivered, Lookup, LookupPolicy, Provider};
 use crate::effects::{Action, Effect};
 use crate::failure::{Code, Failure};
 use hmac::{Hmac, Mac};
@@ -70,6 +71,7 @@ pub struct HttpProvider {
     result: ResultRef,
     dedupe: Dedupe,
     timeout: Duration,
+    lookup: Option<HttpLookup>,
 }
 
 impl HttpProvider {
@@ -105,12 +107,17 @@ impl HttpProvider {
             None => None,
         };
         let base = Base::parse(&config.base_url)?;
+        let lookup = config
+            .lookup
+            .as_ref()
+            .map(|lookup| HttpLookup::new(lookup, &config.result, config.timeout))
+            .transpose()?;
         tracing::debug!(
             provider = name,
             base_url = %crate::boundary::redact_urls(&config.base_url),
             "provider configured"
         );
-        Ok(HttpProvider {
+        let provider = HttpProvider {
             kind: config.kind,
             client,
             base,
@@ -126,7 +133,20 @@ impl HttpProvider {
             } else {
                 Dedupe::None
             },
-        })
+            lookup,
+        };
+        if let Some(lookup) = &provider.lookup {
+            // The template, filled with a sample key, must pass the check
+            // every effect's path passes: a lookup that leaves the base URL
+            // (`/../admin/{key}`) is refused now, not at its first use.
+            let path = lookup
+                .path_for(super::lookup::SAMPLE_KEY)
+                .map_err(|refused| refused.message)?;
+            provider
+                .url_for(&path)
+                .map_err(|refused| format!("lookup path: {}", refused.message))?;
+        }
+        Ok(provider)
     }
 
     /// Whether a plugin may set the header `name` (lower case): not one of
@@ -268,10 +288,35 @@ impl HttpProvider {
                 ));
             }
         };
+        let url = self.url_for(&path)?;
+        let key = HeaderValue::from_str(&effect.idempotency_key).map_err(|_| {
+            Failure::host(
+                Code::InvalidIdempotencyKey,
+                "the key is not a valid header value",
+            )
+        })?;
+        headers.insert(HeaderName::from_static("idempotency-key"), key);
+        if let Some((name, value)) = &self.auth {
+            headers.insert(name.clone(), value.clone());
+        }
+        if let Some((name, secret)) = &self.hmac {
+            let signature = sign(secret, &effect.idempotency_key, &body);
+            if let Ok(value) = HeaderValue::from_str(&signature) {
+                headers.insert(name.clone(), value);
+            }
+        }
+        Ok((method, url, headers, body))
+    }
+
+    /// The URL of `path` (an effect's, or a lookup's with its key in it),
+    /// checked twice: on the text, then on the URL as it is sent
+    /// ([`Base::join`]). Refused `invalid_effect` when it could leave the
+    /// base URL.
+    fn url_for(&self, path: &str) -> Result<reqwest::Url, Failure> {
         // Before the checks below: a URL parser drops tabs and newlines
         // (and encodes other control characters), so `/.<TAB>./admin`
         // passes a `..` check and still leaves the base URL's path.
-        refuse_control_characters("path", &path)?;
+        refuse_control_characters("path", path)?;
         if !path.is_empty() && !path.starts_with('/') {
             return Err(Failure::host(
                 Code::InvalidEffect,
@@ -293,43 +338,19 @@ impl HttpProvider {
             ));
         }
         // The second, on the URL as it is sent.
-        let url = self.base.join(&path)?;
-        let key = HeaderValue::from_str(&effect.idempotency_key).map_err(|_| {
-            Failure::host(
-                Code::InvalidIdempotencyKey,
-                "the key is not a valid header value",
-            )
-        })?;
-        headers.insert(HeaderName::from_static("idempotency-key"), key);
-        if let Some((name, value)) = &self.auth {
-            headers.insert(name.clone(), value.clone());
-        }
-        if let Some((name, secret)) = &self.hmac {
-            let signature = sign(secret, &effect.idempotency_key, &body);
-            if let Ok(value) = HeaderValue::from_str(&signature) {
-                headers.insert(name.clone(), value);
-            }
-        }
-        Ok((method, url, headers, body))
+        self.base.join(path)
     }
 
     /// The provider's reference for what it did, cleaned by the boundary's
     /// rule (a provider's answer is text from outside: the effect happened,
     /// so a bad reference is cut or dropped, never a failure).
     fn result_ref(&self, headers: &HeaderMap, body: &[u8]) -> Option<String> {
-        let found = if let Some(header) = &self.result.header {
-            headers
-                .get(header)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        } else {
-            let json: serde_json::Value = serde_json::from_slice(body).ok()?;
-            match json.pointer(&self.result.json_pointer)? {
-                serde_json::Value::String(s) => Some(s.clone()),
-                other => Some(other.to_string()),
-            }
-        };
-        found.and_then(|r| crate::boundary::result_ref(&r))
+        match find_result(&self.result, headers, body) {
+            Found::Value(found) => crate::boundary::result_ref(&found),
+            // As it always was: a JSON null is the reference "null".
+            Found::Null => crate::boundary::result_ref("null"),
+            Found::Nothing | Found::Unreadable => None,
+        }
     }
 }
 
@@ -482,6 +503,67 @@ impl Provider for HttpProvider {
         self.request(effect).map(|_| ())
     }
 
+    fn lookup_policy(&self) -> Option<LookupPolicy> {
+        self.lookup.as_ref().map(|lookup| lookup.policy)
+    }
+
+    /// Asks `{base_url}{lookup.path}` with `{key}` filled in, sending the
+    /// auth header but neither `Idempotency-Key` nor a signature (the
+    /// provider knows the request by its key; the fingerprint is idem's own
+    /// and is not sent). Waiting for the lookup budget and the request share
+    /// one deadline, the lookup's `timeout`.
+    async fn look_up(&self, key: &str, _fingerprint: &str) -> Result<Lookup, Failure> {
+        let Some(lookup) = &self.lookup else {
+            return Err(super::lookup::unanswerable(
+                "this provider has no `lookup` configured".into(),
+            ));
+        };
+        let path = lookup.path_for(key)?;
+        // The same check as every effect's path: a key cannot steer the
+        // lookup out of the base URL.
+        let url = self.url_for(&path).map_err(|refused| {
+            super::lookup::unanswerable(format!(
+                "the lookup of key {}: {}",
+                crate::boundary::shown(key),
+                refused.message
+            ))
+        })?;
+        let timeout = lookup.policy.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let budget_full = || {
+            Failure::host(
+                Code::LookupUnavailable,
+                format!(
+                    "the lookup budget ({}) did not free up within the lookup timeout ({})",
+                    lookup.budget_text(),
+                    humantime::format_duration(timeout)
+                ),
+            )
+        };
+        let Ok(_slot) = tokio::time::timeout_at(deadline, lookup.enter()).await else {
+            return Err(budget_full());
+        };
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(budget_full());
+        }
+        let mut request = self
+            .client
+            .request(lookup.method.clone(), url)
+            .timeout(left);
+        if let Some((name, value)) = &self.auth {
+            request = request.header(name.clone(), value.clone());
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|e| classify_lookup_error(e, timeout))?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = read_bounded(response).await;
+        lookup.answer(status, &headers, &body)
+    }
+
     async fn execute(&self, effect: &Effect) -> Result<Delivered, Failure> {
         let (method, url, headers, body) = self.request(effect)?;
         let response = self
@@ -580,12 +662,28 @@ fn classify_send_error(error: reqwest::Error) -> Failure {
     }
 }
 
-fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+/// A lookup that could not be sent or answered: never an answer, so it
+/// is asked again later (nothing a lookup sends changes anything).
+fn classify_lookup_error(error: reqwest::Error, timeout: Duration) -> Failure {
+    let message = if error.is_connect() {
+        format!("cannot connect for the lookup: {}", describe(error))
+    } else if error.is_timeout() {
+        format!(
+            "no answer to the lookup within its timeout ({})",
+            humantime::format_duration(timeout)
+        )
+    } else {
+        format!("the lookup failed: {}", describe(error))
+    };
+    Failure::host(Code::LookupUnavailable, message)
+}
+
+pub(super) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let text = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
     text.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
-async fn read_bounded(mut response: reqwest::Response) -> Vec<u8> {
+pub(super) async fn read_bounded(mut response: reqwest::Response) -> Vec<u8> {
     let mut body = Vec::new();
     while let Ok(Some(chunk)) = response.chunk().await {
         body.extend_from_slice(&chunk[..chunk.len().min(MAX_RESPONSE - body.len())]);
@@ -598,7 +696,7 @@ async fn read_bounded(mut response: reqwest::Response) -> Vec<u8> {
 
 /// The provider's machine-readable error code (`{"error":{"code":..}}` or
 /// `{"code":..}`), when it is a sane token; raw bodies are never stored.
-fn provider_code(body: &[u8]) -> Option<String> {
+pub(super) fn provider_code(body: &[u8]) -> Option<String> {
     let json: serde_json::Value = serde_json::from_slice(body).ok()?;
     let code = json
         .pointer("/error/code")
@@ -912,6 +1010,98 @@ mod tests {
             assert!(!refused.message.contains('\t'), "{}", refused.message);
         }
         assert!(partner.check(&http("/x", &[("x-a", "v w é")])).is_ok());
+    }
+
+    fn with_lookup(base_url: &str, table: &str) -> Result<HttpProvider, String> {
+        let config: ProviderConfig = toml::from_str(&format!(
+            "kind = \"email\"\nbase_url = \"{base_url}\"\ntimeout = \"4s\"\nlookup = {{ {table} }}"
+        ))
+        .map_err(|e| e.to_string())?;
+        HttpProvider::from_config("email", &config)
+    }
+
+    /// A lookup path is checked at start with a sample key, and every
+    /// lookup URL again, by the check every effect's path passes.
+    #[test]
+    fn a_lookup_path_that_leaves_the_base_is_refused_at_start() {
+        for path in [
+            "/../admin/{key}",
+            "/%2e%2e/admin/{key}",
+            "/a/{key}/../../../admin",
+            "/x/{key}#frag",
+            "/x/{key}?api_key=evil",
+            "https://evil.example/{key}",
+        ] {
+            let refused = with_lookup(
+                "http://127.0.0.1:9/v1?api_key=SECRET",
+                &format!("path = \"{path}\""),
+            )
+            .err()
+            .unwrap_or_else(|| panic!("accepted: {path}"));
+            assert!(refused.starts_with("lookup path"), "{path}: {refused}");
+        }
+        let refused = with_lookup("http://127.0.0.1:9", "path = \"/x\"")
+            .err()
+            .unwrap();
+        assert!(refused.contains("{key}"), "{refused}");
+        let provider = with_lookup("http://127.0.0.1:9/v1", "path = \"/emails/{key}\"").unwrap();
+        let lookup = provider.lookup.as_ref().unwrap();
+        let url = provider
+            .url_for(&lookup.path_for("billing/a b?c").unwrap())
+            .unwrap();
+        assert_eq!(
+            url.as_str(),
+            "http://127.0.0.1:9/v1/emails/billing%2Fa%20b%3Fc"
+        );
+        assert_eq!(
+            provider.lookup_policy(),
+            Some(LookupPolicy {
+                settle: Duration::from_secs(30),
+                timeout: Duration::from_secs(4),
+            })
+        );
+        assert_eq!(
+            self::provider("http", "http://127.0.0.1:9").lookup_policy(),
+            None
+        );
+    }
+
+    /// At lookup time a key that would climb out is refused too.
+    #[tokio::test]
+    async fn a_key_that_would_leave_the_base_is_not_asked() {
+        let provider = with_lookup("http://127.0.0.1:9/v1", "path = \"/emails/{key}\"").unwrap();
+        for key in ["a..b", "..", "."] {
+            let refused = provider.look_up(key, "f").await.unwrap_err();
+            assert_eq!(refused.code, "lookup_unanswerable", "{key}");
+        }
+        let none = self::provider("http", "http://127.0.0.1:9");
+        assert_eq!(
+            none.look_up("k", "f").await.unwrap_err().code,
+            "lookup_unanswerable"
+        );
+    }
+
+    /// A lookup that finds its budget full for its whole timeout is not
+    /// sent: the provider could not be asked now.
+    #[tokio::test]
+    async fn a_lookup_waits_for_its_budget_no_longer_than_its_timeout() {
+        let provider = with_lookup(
+            "http://127.0.0.1:9",
+            "path = \"/x/{key}\", timeout = \"50ms\", max_in_flight = 1",
+        )
+        .unwrap();
+        let held = provider.lookup.as_ref().unwrap().enter().await;
+        let failed = provider.look_up("p/k", "f").await.unwrap_err();
+        assert_eq!(
+            (failed.class, failed.code.as_str()),
+            (crate::failure::ErrorClass::Retryable, "lookup_unavailable")
+        );
+        assert!(
+            failed.message.contains("max_in_flight 1"),
+            "{}",
+            failed.message
+        );
+        drop(held);
     }
 
     #[test]

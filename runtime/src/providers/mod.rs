@@ -4,6 +4,7 @@
 //! # Layout
 //! - [`config`]: `[providers.NAME]` tables of `idem.toml`.
 //! - [`http`]: the `http` and `email` providers (an HTTP API honouring `Idempotency-Key`).
+//! - `lookup`: how an `http` or `email` provider is asked whether it applied a key.
 //! - [`sql`]: the `sql` provider (declared statements, exactly once per database).
 //! - [`guard`]: retry-storm protection per provider (concurrency, rate, circuit breaker).
 //! - this module: the [`Provider`] trait and the [`Providers`] set built from config.
@@ -14,6 +15,7 @@
 pub mod config;
 pub mod guard;
 pub mod http;
+mod lookup;
 pub mod sql;
 
 pub use config::ProviderConfig;

@@ -18,7 +18,7 @@
 //! [`Store::effect_succeed_with_statement`]: crate::store::Store::effect_succeed_with_statement
 
 use super::config::ProviderConfig;
-use super::{Dedupe, Delivered, Provider};
+use super::{Dedupe, Delivered, Lookup, LookupPolicy, Provider};
 use crate::effects::{Action, Effect, fingerprint};
 use crate::failpoint::{self, Failpoint};
 use crate::failure::{Code, Failure};
@@ -94,6 +94,14 @@ impl SqlProvider {
         if !config.base_url.is_empty() || config.from.is_some() || config.auth.is_some() {
             return Err(
                 "a sql provider takes `url` and `statements`, not `base_url`, `from` or `auth`"
+                    .into(),
+            );
+        }
+        if config.lookup.is_some() {
+            return Err(
+                "a sql provider takes no `lookup`: on another database it answers from its \
+                 guard table idem_effects, and on the store's own database an outcome is never \
+                 in doubt"
                     .into(),
             );
         }
@@ -439,7 +447,61 @@ macro_rules! guarded {
     }};
 }
 
+/// The guard row of a key on one pool type: its fingerprint and reference.
+macro_rules! guard_row {
+    ($pool:expr, $key:expr) => {
+        sqlx::query_as::<_, (String, Option<String>)>(
+            "SELECT fingerprint, result_ref FROM idem_effects WHERE key = $1",
+        )
+        .bind($key)
+        .fetch_optional($pool)
+        .await
+    };
+}
+
 impl SqlProvider {
+    /// The guard's answer for `key`: its row decides (the guard row commits
+    /// with the statement, so a row means it ran, and no row that it did
+    /// not, or not yet: a statement still in flight commits later, and a
+    /// second run then finds the row and does not run again).
+    async fn guard_answer(
+        &self,
+        pool: &OtherPool,
+        key: &str,
+        fingerprint: &str,
+    ) -> Result<Lookup, Failure> {
+        let row = match pool {
+            OtherPool::Postgres(pool) => guard_row!(pool, key),
+            OtherPool::Sqlite(pool) => guard_row!(pool, key),
+        }
+        .map_err(|e| {
+            Failure::host(
+                Code::LookupUnavailable,
+                format!(
+                    "the guard table of sql provider {:?} cannot be read: {e}",
+                    self.name
+                ),
+            )
+        })?;
+        match row {
+            Some((stored, result_ref)) if stored == fingerprint => Ok(Lookup::Applied {
+                // Read back from a database outside idem: checked as any
+                // provider's answer.
+                result_ref: result_ref.as_deref().and_then(crate::boundary::result_ref),
+            }),
+            Some(_) => Err(Failure::host(
+                Code::LookupUnanswerable,
+                format!(
+                    "the guard of {:?} holds the key {} for a different statement \
+                     (a key conflict): neither this request applied nor not",
+                    self.name,
+                    crate::boundary::shown(key)
+                ),
+            )),
+            None => Ok(Lookup::NotApplied),
+        }
+    }
+
     async fn run_guarded(
         &self,
         pool: &OtherPool,
@@ -470,6 +532,51 @@ impl Provider for SqlProvider {
 
     fn check(&self, effect: &Effect) -> Result<(), Failure> {
         self.call(effect).map(|_| ())
+    }
+
+    /// Another database is asked through its guard table, at once (a row
+    /// commits with its statement: nothing lags); the store's own database
+    /// is never in doubt (the statement commits with the ledger).
+    fn lookup_policy(&self) -> Option<LookupPolicy> {
+        match self.target {
+            Target::Store => None,
+            Target::Other { .. } => Some(LookupPolicy {
+                settle: Duration::ZERO,
+                timeout: self.call_bound(),
+            }),
+        }
+    }
+
+    /// The guard row of `key`: with `fingerprint`, applied (with its
+    /// reference); with another, a key conflict (`lookup_unanswerable`);
+    /// none, not applied. A database that cannot be reached, or a guard
+    /// table that cannot be read, is `lookup_unavailable`.
+    async fn look_up(&self, key: &str, fingerprint: &str) -> Result<Lookup, Failure> {
+        let Target::Other { pool, guard_ready } = &self.target else {
+            return Err(Failure::host(
+                Code::LookupUnanswerable,
+                "a statement on the store's own database commits with its ledger row: \
+                 its outcome is never in doubt",
+            ));
+        };
+        let bound = self.call_bound();
+        let ask = async {
+            ensure_guard(pool, guard_ready)
+                .await
+                .map_err(|failure| Failure::host(Code::LookupUnavailable, failure.message))?;
+            self.guard_answer(pool, key, fingerprint).await
+        };
+        match tokio::time::timeout(bound, ask).await {
+            Ok(answer) => answer,
+            Err(_) => Err(Failure::host(
+                Code::LookupUnavailable,
+                format!(
+                    "the guard table of sql provider {:?} did not answer within {}",
+                    self.name,
+                    humantime::format_duration(bound)
+                ),
+            )),
+        }
     }
 
     fn in_store_transaction(&self, effect: &Effect) -> Option<Result<StatementCall, Failure>> {
@@ -559,11 +666,19 @@ mod tests {
             refused("kind = \"sql\"\nurl = \"mysql://x\"\nstatements.a = \"SELECT 1\"")
                 .contains("postgres://")
         );
+        assert!(
+            refused(
+                "kind = \"sql\"\nurl = \"sqlite://b.db\"\nstatements.a = \"SELECT 1\"\n\
+                 lookup = { path = \"/x/{key}\" }"
+            )
+            .contains("answers from its guard table")
+        );
     }
 
     #[test]
     fn the_stores_own_database_is_recognised() {
         assert!(provider().in_store(), "no url");
+        assert_eq!(provider().lookup_policy(), None, "never in doubt there");
         let same = SqlProvider::from_config(
             "db",
             &config("kind = \"sql\"\nurl = \"store\"\nstatements.a = \"SELECT 1\""),
