@@ -7,3 +7,7 @@
 -- the try_at a takeover found (the claim answers its age).
 ALTER TABLE effects ADD COLUMN try_at INTEGER;
 ALTER TABLE effects ADD COLUMN prior_try_at INTEGER;
+-- The reconcile sweep asks about a key no sooner than this (set when its
+-- provider could not answer, or answered what fits neither outcome), so keys
+-- that stay unknown do not crowd out the rest; cleared by a claim.
+ALTER TABLE effects ADD COLUMN ask_after INTEGER;

@@ -310,6 +310,8 @@ pub fn spawn_run(
         .arg("run")
         .args(args)
         .env("IDEM_FAILPOINTS", failpoints)
+        // The clock the tests move (`Store::clock_advance`).
+        .env("IDEM_ADJUSTABLE_CLOCK", "1")
         .env("IDEM_LOG", "warn")
         .env(
             "IDEM_CACHE_DIR",

@@ -319,7 +319,8 @@ async fn sweep_replays_a_settled_job_beyond_the_first_page(backend: Backend) {
         .write_batch(held.iter().map(dead).collect())
         .await
         .unwrap();
-    advance(&store, &clock, Duration::from_secs(60)).await;
+    // Past the trust window: lookup timeout + call timeout + settle.
+    advance(&store, &clock, Duration::from_secs(180)).await;
 
     let report = sweep(&store, &providers).await;
     assert!(

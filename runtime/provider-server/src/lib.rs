@@ -28,6 +28,11 @@
 //! failed attempt does not consume its key. Requests without a key are applied every
 //! time and counted together under the key `""`.
 //!
+//! With `dedupe: false` the server is a provider that cannot dedupe: every request
+//! it accepts is applied (and counted) again, repeats of a key included, so a test
+//! sees a repeat as a second application; the first 2xx per key is still kept for
+//! the lookup.
+//!
 //! # Faults
 //! A request gets at most one fault, chosen in this order: the `X-Idem-Fault` header, the
 //! next scripted fault for its key, the next scripted fault for its path (`/_faults` or
@@ -86,6 +91,10 @@ pub struct ProviderServerConfig {
     /// Lookups answer 404 even for applied keys (default false): a provider whose
     /// lookup lies, for tests of the documented risk.
     pub lookup_lies: bool,
+    /// Whether a repeated key gets the stored first answer (default true). When
+    /// false, every accepted request is applied again: a provider without
+    /// deduplication, whose repeats the counts show.
+    pub dedupe: bool,
 }
 
 impl Default for ProviderServerConfig {
@@ -97,6 +106,7 @@ impl Default for ProviderServerConfig {
             processing_delay: Duration::ZERO,
             max_key_len: 256,
             lookup_lies: false,
+            dedupe: true,
         }
     }
 }

@@ -390,7 +390,8 @@ impl Shared {
             return Begin::Reply(inner.record(&ctx, reply, false));
         }
 
-        if let Some(key) = ctx.key.as_deref()
+        if config.dedupe
+            && let Some(key) = ctx.key.as_deref()
             && let Some(reply) = inner.lookup(key, &ctx, config)
         {
             return Begin::Reply(reply);
@@ -522,7 +523,12 @@ impl Inner {
         stats.applied += 1;
         stats.result_id = Some(id);
         let mut headers = Vec::new();
-        if let Some(key) = &ctx.key {
+        // Without dedupe the first answer stays the one a lookup finds.
+        let first = !matches!(
+            ctx.key.as_ref().and_then(|key| self.slots.get(key)),
+            Some(Slot::Done(_))
+        );
+        if let Some(key) = ctx.key.as_ref().filter(|_| config.dedupe || first) {
             self.slots.insert(
                 key.clone(),
                 Slot::Done(StoredResponse {
@@ -534,6 +540,8 @@ impl Inner {
                     stored_at: Instant::now(),
                 }),
             );
+        }
+        if let Some(key) = &ctx.key {
             headers.push(("idempotency-key", key.clone()));
         }
         let reply = Reply {

@@ -88,6 +88,38 @@ async fn same_key_three_times_applies_once_and_replays_the_same_body() {
     assert_eq!(replayed, [false, true, true]);
 }
 
+/// `dedupe: false`: a provider that cannot dedupe applies every repeat (and
+/// the counts show it), while its lookup still finds the first answer.
+#[tokio::test]
+async fn without_dedupe_every_repeat_is_applied_and_the_lookup_finds_the_first() {
+    let provider = start(ProviderServerConfig {
+        dedupe: false,
+        ..test_config()
+    })
+    .await;
+    let client = client();
+    let url = provider.url("/emails");
+    let body = email("ada@example.com");
+    let (_, _, first) = send(&client, &url, Some("billing/k1"), &body).await;
+    let (status, headers, second) = send(&client, &url, Some("billing/k1"), &body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers.get("idempotent-replayed").is_none(), "not a replay");
+    assert_ne!(first["id"], second["id"], "applied again");
+    assert_eq!(provider.applied("billing/k1"), 2);
+    let found: Value = client
+        .get(provider.url("/by-key/billing%2Fk1"))
+        .send()
+        .await
+        .expect("lookup")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(
+        found["id"], first["id"],
+        "the lookup finds the first answer"
+    );
+}
+
 #[tokio::test]
 async fn json_key_order_does_not_change_the_fingerprint() {
     let provider = start(test_config()).await;

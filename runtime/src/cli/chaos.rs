@@ -139,6 +139,9 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: ChaosArgs) -> Result
     let provider = ProviderServerHandle::start(ProviderServerConfig {
         faults,
         late_by: Duration::from_millis(1500),
+        // With lookups the providers cannot dedupe: a repeat is applied
+        // (and counted as a duplicate) again.
+        dedupe: !args.lookup,
         ..ProviderServerConfig::default()
     })
     .await

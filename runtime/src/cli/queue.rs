@@ -15,13 +15,28 @@ use tokio_util::sync::CancellationToken;
 
 /// Connects to the configured store (applying migrations).
 pub async fn store(config: &Config) -> Result<Arc<dyn Store>, CliError> {
-    crate::store::connect(&config.database_url).await.map_err(|e| match e {
+    let opened = crate::store::open(&config.database_url, clock())
+        .await
+        .map(|store| Arc::new(store) as Arc<dyn Store>);
+    opened.map_err(|e| match e {
         crate::store::StoreError::UnsupportedUrl(_) => CliError::Usage(e.to_string()),
         other => CliError::Runtime(anyhow::Error::new(other).context(format!(
             "cannot open the store at {} (check --database-url / IDEM_DATABASE_URL and that the database is reachable)",
             redact_url(&config.database_url)
         ))),
     })
+}
+
+/// The store's clock: the database's. A build with failpoints (the
+/// fault-injection tests' `idem`) reads the clock the tests move instead when
+/// `IDEM_ADJUSTABLE_CLOCK` is set, so a worker process started after a test
+/// moved the clock sees the jobs as the test does.
+fn clock() -> crate::store::Clock {
+    #[cfg(feature = "failpoints")]
+    if std::env::var_os("IDEM_ADJUSTABLE_CLOCK").is_some() {
+        return crate::store::Clock::Adjustable;
+    }
+    crate::store::Clock::Database
 }
 
 /// Hides the password of a database URL for messages; a URL without one is

@@ -515,6 +515,6 @@ mod tests {
                 lookups += 1;
             }
         }
-        assert_eq!(lookups, 3);
+        assert_eq!(lookups, 4);
     }
 }

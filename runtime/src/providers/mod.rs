@@ -74,6 +74,23 @@ pub struct LookupPolicy {
     pub timeout: Duration,
 }
 
+impl LookupPolicy {
+    /// How old a try must be (counted from its claim) before a "not
+    /// applied" answer about it is trusted: the claim may be followed by a
+    /// lookup (up to its timeout) before the call, the call may take up to
+    /// `call_timeout`, and the provider's records may lag by `settle`.
+    ///
+    /// ```
+    /// use idem::providers::LookupPolicy;
+    /// use std::time::Duration;
+    /// let policy = LookupPolicy { settle: Duration::from_secs(30), timeout: Duration::from_secs(5) };
+    /// assert_eq!(policy.trusted_after(Duration::from_secs(10)), Duration::from_secs(45));
+    /// ```
+    pub fn trusted_after(&self, call_timeout: Duration) -> Duration {
+        self.timeout + call_timeout + self.settle
+    }
+}
+
 /// A provider of effects.
 ///
 /// ```no_run

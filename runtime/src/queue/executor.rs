@@ -586,7 +586,7 @@ impl Executor {
                         tracing::warn!(code = %failure.code, "outcome unknown: not sent again");
                         WorkerStats::bump(&self.stats.effects_failed);
                         metrics::effect(&effect.provider, "failed");
-                        self.fail(&fence, &failure, Sent::Unresolved).await?;
+                        self.fail(&fence, &failure, Sent::HeldInDoubt).await?;
                         return Err(PlanOutcome::Failed(failure));
                     }
                 },
@@ -680,7 +680,7 @@ impl Executor {
                 Ok(None)
             }
             Ok(Lookup::NotApplied) => {
-                let trusted_after = provider.provider.timeout() + policy.settle;
+                let trusted_after = policy.trusted_after(provider.provider.timeout());
                 if tried_ago >= trusted_after {
                     metrics::effect_reconciled(name, "not_applied");
                     tracing::info!(
@@ -729,7 +729,7 @@ impl Executor {
                 tracing::warn!(code = %failure.code, message = %failure.message, "outcome unknown: not sent again");
                 WorkerStats::bump(&self.stats.effects_failed);
                 metrics::effect(name, "failed");
-                self.fail(fence, &failure, Sent::Unresolved).await?;
+                self.fail(fence, &failure, Sent::HeldInDoubt).await?;
                 Err(PlanOutcome::Failed(failure))
             }
         }
@@ -757,8 +757,14 @@ impl Executor {
     /// a second holder could call the provider while this one still waits
     /// for the answer.
     pub fn key_lease(&self, provider: &GuardedProvider) -> Duration {
+        // A claim in doubt may ask the provider (up to its lookup timeout)
+        // before it calls.
+        let lookup = provider
+            .provider
+            .lookup_policy()
+            .map_or(Duration::ZERO, |policy| policy.timeout);
         self.effect_lease
-            .max(provider.provider.timeout() * 2 + Duration::from_secs(5))
+            .max(provider.provider.timeout() * 2 + lookup + Duration::from_secs(5))
     }
 
     /// Releases before keys were scoped to their plugin stored the plugin's
@@ -1176,7 +1182,7 @@ impl Executor {
                     metrics::effect(&effect.provider, "deferred");
                     self.fail(fence, &failure, Sent::MaybeApplied).await?;
                     return Err(in_doubt_deferral(
-                        provider.provider.timeout() + policy.settle,
+                        policy.trusted_after(provider.provider.timeout()),
                     ));
                 }
                 if failure.class == ErrorClass::Ambiguous

@@ -119,14 +119,20 @@ pub async fn reconcile_once(
         let Some(provider) = providers.get(&row.provider) else {
             continue;
         };
-        let (outcome, detail, resolution) =
-            ask(&provider, &row.key, &row.fingerprint, row.tried_ago).await;
+        let answer = ask(&provider, &row.key, &row.fingerprint, row.tried_ago).await;
+        let (outcome, detail) = (answer.outcome, answer.detail);
         metrics::effect_reconciled(&row.provider, outcome);
-        let settled = match resolution {
-            Some(resolution) if !request.dry_run => {
+        let settled = match answer.settle {
+            Settle::Now(resolution) if !request.dry_run => {
                 store
                     .effect_reconcile(&row.key, row.attempt, resolution)
                     .await?
+            }
+            // Left out of the next sweeps for a while, so keys that stay
+            // unknown do not crowd out the rest.
+            Settle::AskAgainIn(after) if !request.dry_run => {
+                store.effect_ask_later(&row.key, row.attempt, after).await?;
+                false
             }
             _ => false,
         };
@@ -139,34 +145,58 @@ pub async fn reconcile_once(
             settled,
         });
     }
-    let settled: std::collections::HashSet<String> = report
+    let would_settle: std::collections::HashSet<String> = report
         .asked
         .iter()
-        .filter(|a| {
-            a.settled || (request.dry_run && matches!(a.outcome, "applied" | "not_applied"))
-        })
+        .filter(|a| request.dry_run && matches!(a.outcome, "applied" | "not_applied"))
         .map(|a| a.key.clone())
         .collect();
-    if !settled.is_empty() {
-        replay_settled(store, request, pacer, &settled, &mut report).await?;
-    }
+    replay_settled(store, &askable, request, pacer, &would_settle, &mut report).await?;
     Ok(report)
 }
 
-/// Asks `provider` about `key`: the metric outcome, a detail, and the
-/// resolution the ledger may take (none while the answer is unknown or
-/// "not applied" is too recent to trust).
+/// What a lookup said, for the sweep.
+struct Answer {
+    /// The metric outcome.
+    outcome: &'static str,
+    /// The reference (applied), or what was answered.
+    detail: Option<String>,
+    /// What to do with the key.
+    settle: Settle,
+}
+
+/// What the sweep does with a key it asked about.
+enum Settle {
+    /// Record the answer.
+    Now(Resolution),
+    /// Ask again no sooner than this.
+    AskAgainIn(Duration),
+}
+
+/// Longest a key whose provider could not answer waits for the next ask.
+const UNAVAILABLE_PAUSE: Duration = Duration::from_secs(300);
+/// How long a key whose provider's answer fits neither outcome waits.
+const UNANSWERABLE_PAUSE: Duration = Duration::from_secs(3600);
+
+/// Asks `provider` about `key`: the outcome, a detail, and what the
+/// ledger may take (an answer, or a pause before the next ask while the
+/// answer is unknown or "not applied" is too recent to trust).
 async fn ask(
     provider: &GuardedProvider,
     key: &str,
     fingerprint: &str,
     tried_ago: Duration,
-) -> (&'static str, Option<String>, Option<Resolution>) {
+) -> Answer {
+    let answer = |outcome, detail, settle| Answer {
+        outcome,
+        detail,
+        settle,
+    };
     let Some(policy) = provider.provider.lookup_policy() else {
-        return (
+        return answer(
             "unanswerable",
             Some("the provider offers no lookup".into()),
-            None,
+            Settle::AskAgainIn(UNANSWERABLE_PAUSE),
         );
     };
     // Through the provider's guards, as any call: a slot, a rate token, and
@@ -174,21 +204,21 @@ async fn ask(
     let permit = match provider.guard.enter().await {
         Ok(permit) => permit,
         Err(open) => {
-            return (
+            return answer(
                 "unavailable",
                 Some(format!(
                     "the provider's circuit is open (for {})",
                     humantime::format_duration(Duration::from_secs(open.retry_after.as_secs()))
                 )),
-                None,
+                Settle::AskAgainIn(open.retry_after.min(UNAVAILABLE_PAUSE)),
             );
         }
     };
-    let answer =
+    let looked_up =
         match tokio::time::timeout(policy.timeout, provider.provider.look_up(key, fingerprint))
             .await
         {
-            Ok(answer) => answer,
+            Ok(looked_up) => looked_up,
             Err(_) => Err(Failure::host(
                 Code::LookupUnavailable,
                 format!(
@@ -197,93 +227,145 @@ async fn ask(
                 ),
             )),
         };
-    match answer {
+    match looked_up {
         Ok(Lookup::Applied { result_ref }) => {
             permit.record(Ok(()));
-            (
+            answer(
                 "applied",
                 result_ref.clone(),
-                Some(Resolution::Applied { result_ref }),
+                Settle::Now(Resolution::Applied { result_ref }),
             )
         }
         Ok(Lookup::NotApplied) => {
             permit.record(Ok(()));
-            let trusted_after = provider.provider.timeout() + policy.settle;
+            let trusted_after = policy.trusted_after(provider.provider.timeout());
             if tried_ago >= trusted_after {
-                ("not_applied", None, Some(Resolution::NotApplied))
+                answer("not_applied", None, Settle::Now(Resolution::NotApplied))
             } else {
-                (
+                answer(
                     "too_recent",
                     Some(format!(
                         "not applied so far; trusted once the last try is {} old",
                         humantime::format_duration(Duration::from_secs(trusted_after.as_secs()))
                     )),
-                    None,
+                    Settle::AskAgainIn(trusted_after - tried_ago),
                 )
             }
         }
         Err(failure) if failure.class.is_retried() => {
             permit.record(Err(failure.class));
-            ("unavailable", Some(failure.message), None)
+            let pause = failure
+                .retry_after
+                .unwrap_or(UNAVAILABLE_PAUSE)
+                .min(UNAVAILABLE_PAUSE);
+            answer(
+                "unavailable",
+                Some(failure.message),
+                Settle::AskAgainIn(pause),
+            )
         }
         Err(failure) => {
             permit.release();
-            ("unanswerable", Some(failure.message), None)
+            answer(
+                "unanswerable",
+                Some(failure.message),
+                Settle::AskAgainIn(UNANSWERABLE_PAUSE),
+            )
         }
     }
 }
 
-/// Replays the dead jobs whose only cause was a key in doubt, a key of
-/// whose plan this sweep settled (`settled`), once every key of their plan
-/// is settled (succeeded, or known not applied). A job whose key an
-/// operator resolved by hand stays for the operator to replay.
+/// Most pages of dead jobs one sweep looks at.
+const REPLAY_PAGES: u32 = 10;
+
+/// Replays the dead jobs whose only cause was a key in doubt, one of whose
+/// ledger rows is at a provider that can be asked (`askable`), once every
+/// key of their plan is settled (by a lookup, now or in an earlier sweep,
+/// or by a person). A dry run counts the keys it would have settled
+/// (`would_settle`) as settled.
 async fn replay_settled(
     store: &dyn Store,
+    askable: &[String],
     request: &ReconcileRequest,
     pacer: &Pacer,
-    settled: &std::collections::HashSet<String>,
+    would_settle: &std::collections::HashSet<String>,
     report: &mut ReconcileReport,
 ) -> Result<(), StoreError> {
-    for code in IN_DOUBT_CODES {
-        let dead = store
-            .job_list(JobFilter {
-                states: vec![JobState::Dead],
-                plugin: request.plugin.clone(),
-                error_code: Some(code.as_str().to_string()),
-                limit: request.limit,
-                ..JobFilter::default()
-            })
+    let codes: Vec<String> = IN_DOUBT_CODES
+        .iter()
+        .map(|code| code.as_str().to_string())
+        .collect();
+    let mut candidates: Vec<JobId> = Vec::new();
+    let mut after = JobId(0);
+    for _ in 0..REPLAY_PAGES {
+        let page = store
+            .dead_jobs_settled(
+                &codes,
+                askable,
+                request.plugin.as_deref(),
+                after,
+                request.limit,
+            )
             .await?;
-        for job in dead {
-            let keys = job
-                .plan
-                .as_ref()
-                .map(|plan| crate::store::plan_keys(std::iter::once(plan)))
-                .unwrap_or_default();
-            if !keys.iter().any(|key| settled.contains(key)) {
-                continue;
+        let full = page.len() >= request.limit as usize;
+        if let Some(last) = page.last() {
+            after = *last;
+        }
+        candidates.extend(page);
+        if !full {
+            break;
+        }
+    }
+    if request.dry_run && !would_settle.is_empty() {
+        // Jobs a key of which the dry run would have settled are not
+        // settled in the ledger: find them among the dead of these codes.
+        for code in &codes {
+            let dead = store
+                .job_list(JobFilter {
+                    states: vec![JobState::Dead],
+                    plugin: request.plugin.clone(),
+                    error_code: Some(code.clone()),
+                    ..JobFilter::default()
+                })
+                .await?;
+            for job in dead {
+                let keys = plan_keys(&job);
+                if keys.iter().any(|key| would_settle.contains(key))
+                    && !candidates.contains(&job.id)
+                {
+                    candidates.push(job.id);
+                }
             }
-            match unsettled_key(store, &job, &keys, request.dry_run.then_some(settled)).await? {
-                Some(reason) => report.left_dead.push(reason),
-                None if request.dry_run => report.replayed.push(job.id),
-                None => {
-                    let outcome = crate::ops::replay::replay(
-                        store,
-                        ReplayRequest {
-                            ids: vec![job.id],
-                            ..ReplayRequest::default()
-                        },
-                        pacer,
-                    )
-                    .await
-                    .map_err(|e| match e {
-                        crate::ops::OpsError::Store(e) => e,
-                        other => StoreError::Corrupt(other.to_string()),
-                    })?;
-                    report
-                        .replayed
-                        .extend(outcome.replayed.iter().map(|r| r.id));
-                    report.left_dead.extend(
+        }
+    }
+    for id in candidates {
+        let Some(job) = store.job_get(id).await? else {
+            continue;
+        };
+        let keys = plan_keys(&job);
+        match unsettled_key(store, &job, &keys, request.dry_run.then_some(would_settle)).await? {
+            Some(reason) => report.left_dead.push(reason),
+            None if request.dry_run => report.replayed.push(job.id),
+            None => {
+                let outcome = crate::ops::replay::replay(
+                    store,
+                    ReplayRequest {
+                        ids: vec![job.id],
+                        ..ReplayRequest::default()
+                    },
+                    pacer,
+                )
+                .await
+                .map_err(|e| match e {
+                    crate::ops::OpsError::Store(e) => e,
+                    other => StoreError::Corrupt(other.to_string()),
+                })?;
+                report
+                    .replayed
+                    .extend(outcome.replayed.iter().map(|r| r.id));
+                report
+                    .left_dead
+                    .extend(
                         outcome
                             .refused
                             .into_iter()
@@ -294,7 +376,6 @@ async fn replay_settled(
                                 reason: r.message,
                             }),
                     );
-                }
             }
         }
     }
@@ -302,6 +383,14 @@ async fn replay_settled(
         tracing::info!(jobs = ?report.replayed, dry_run = request.dry_run, "reconcile: dead jobs whose effects in doubt are settled replayed");
     }
     Ok(())
+}
+
+/// The keys of a job's stored plan (none without one).
+fn plan_keys(job: &Job) -> Vec<String> {
+    job.plan
+        .as_ref()
+        .map(|plan| crate::store::plan_keys(std::iter::once(plan)))
+        .unwrap_or_default()
 }
 
 /// Why `job` cannot be replayed yet: a key of its plan (`keys`) still in

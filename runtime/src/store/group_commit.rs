@@ -644,6 +644,23 @@ impl Store for GroupCommit {
         self.inner.effect_reconcile(key, attempt, resolution).await
     }
 
+    async fn effect_ask_later(&self, key: &str, attempt: u32, after: Duration) -> Result<bool> {
+        self.inner.effect_ask_later(key, attempt, after).await
+    }
+
+    async fn dead_jobs_settled(
+        &self,
+        codes: &[String],
+        providers: &[String],
+        plugin: Option<&str>,
+        after: JobId,
+        limit: u32,
+    ) -> Result<Vec<JobId>> {
+        self.inner
+            .dead_jobs_settled(codes, providers, plugin, after, limit)
+            .await
+    }
+
     async fn job_discard_plan(&self, id: JobId) -> Result<bool> {
         self.inner.job_discard_plan(id).await
     }

@@ -168,6 +168,28 @@ pub trait Store: Send + Sync + 'static {
         resolution: Resolution,
     ) -> Result<bool>;
 
+    /// Leaves a key read by [`Store::effects_to_reconcile`] out of it for
+    /// `after` (its provider could not settle it now), fenced by the
+    /// attempt read: `false` when the key was claimed meanwhile.
+    ///
+    /// `store.effect_ask_later(&row.key, row.attempt, Duration::from_secs(300)).await?;`
+    async fn effect_ask_later(&self, key: &str, attempt: u32, after: Duration) -> Result<bool>;
+
+    /// Dead jobs that died of one of `codes` and whose ledger rows are all
+    /// settled now, one of them at a provider of `providers`: the jobs the
+    /// reconcile sweep replays (it checks every key of each plan again). A
+    /// page of at most `limit` after `after`, by id, optionally of one plugin.
+    ///
+    /// `let ids = store.dead_jobs_settled(&codes, &providers, None, JobId(0), 100).await?;`
+    async fn dead_jobs_settled(
+        &self,
+        codes: &[String],
+        providers: &[String],
+        plugin: Option<&str>,
+        after: JobId,
+        limit: u32,
+    ) -> Result<Vec<JobId>>;
+
     /// Reads one ledger row.
     async fn effect_get(&self, key: &str) -> Result<Option<EffectRecord>>;
 

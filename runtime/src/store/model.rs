@@ -611,6 +611,10 @@ pub enum Sent {
     /// It may have been carried out and idem will not send it again: marked
     /// reached and in doubt until an operator resolves it.
     Unresolved,
+    /// Not sent by this claim, but an earlier try may have been carried out
+    /// and idem will not send it again: in doubt as [`Sent::Unresolved`],
+    /// with the latest try's time kept (this claim's does not count).
+    HeldInDoubt,
 }
 
 /// An operator's answer for an effect in doubt

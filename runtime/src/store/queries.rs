@@ -84,6 +84,8 @@ pub(crate) struct Queries {
     pub effects_to_reconcile: String,
     pub effect_reconcile_applied: String,
     pub effect_reconcile_not_applied: String,
+    pub effect_ask_later: String,
+    pub dead_jobs_settled: String,
     pub effects_drop_failed: String,
     pub plan_discard: String,
     pub job_cancel: String,
@@ -431,6 +433,7 @@ impl Queries {
                  WHERE (reached = 1 OR status = 'processing') AND status <> 'succeeded' \
                    AND (status <> 'failed' OR in_doubt = 1) \
                    AND (status <> 'processing' OR COALESCE(lease_until, 0) < {{now}}) \
+                   AND COALESCE(ask_after, 0) <= {{now}} \
                    AND provider IN ({providers}) AND ($2 = '' OR plugin = $2) \
                  ORDER BY COALESCE(try_at, updated_at), key LIMIT $3",
                 providers = (d.text_list)("$1"),
@@ -458,6 +461,29 @@ impl Queries {
                    AND (status <> 'failed' OR in_doubt = 1) \
                    AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now})",
             ),
+            // The sweep leaves a key it could not settle until `$3` ms from
+            // now (fenced by the attempt read: a claim moves it on).
+            effect_ask_later: x(
+                "UPDATE effects SET ask_after = {now} + $3 WHERE key = $1 AND attempt = $2",
+            ),
+            // Dead jobs ($1: codes) held back only by effects in doubt: one
+            // of their ledger rows is at a provider that can be asked ($2),
+            // none is still unsettled (held, marked reached and not settled,
+            // or left for an operator). A page after id $4, of plugin $3
+            // ('' for all); the caller checks every key of the plan.
+            dead_jobs_settled: x(&format!(
+                "SELECT jobs.id FROM jobs \
+                 WHERE jobs.state = 'dead' AND jobs.last_error_code IN ({codes}) \
+                   AND ($3 = '' OR jobs.plugin = $3) AND jobs.id > $4 \
+                   AND EXISTS (SELECT 1 FROM effects WHERE effects.job_id = jobs.id \
+                       AND effects.provider IN ({providers})) \
+                   AND NOT EXISTS (SELECT 1 FROM effects WHERE effects.job_id = jobs.id \
+                       AND (effects.in_doubt = 1 OR effects.status = 'processing' \
+                            OR (effects.reached = 1 AND effects.status = 'retrying'))) \
+                 ORDER BY jobs.id LIMIT $5",
+                codes = (d.text_list)("$1"),
+                providers = (d.text_list)("$2"),
+            )),
             effects_drop_failed: x(&format!(
                 "DELETE FROM effects WHERE status = 'failed' AND job_id = $2 AND key IN ({keys})",
                 keys = (d.text_list)("$1"),
@@ -609,7 +635,7 @@ impl Queries {
                      claim_job = t.job_id, claim_attempt = t.job_attempt, \
                      first_sent_at = COALESCE(effects.first_sent_at, {{now}}), \
                      prior_try_at = COALESCE(effects.try_at, effects.updated_at), \
-                     try_at = {{now}} \
+                     try_at = {{now}}, ask_after = NULL \
                  FROM {rows} \
                  WHERE {{effect_keys}}effects.key = t.key AND effects.fingerprint = t.fingerprint \
                    AND effects.status NOT IN ('succeeded', 'failed') \
@@ -639,7 +665,7 @@ impl Queries {
                 "UPDATE effects SET status = t.status, last_error_code = t.code, \
                      last_error_at = {{now}}, lease_owner = NULL, lease_until = NULL, \
                      reached = {{greatest}}(effects.reached, t.reached), in_doubt = t.in_doubt, \
-                     try_at = CASE WHEN t.reached = 0 \
+                     try_at = CASE WHEN t.called = 0 \
                          THEN COALESCE(effects.prior_try_at, effects.try_at) ELSE effects.try_at END, \
                      updated_at = {{now}} \
                  FROM {rows} WHERE {EFFECT_FENCE} RETURNING effects.key",
@@ -647,7 +673,8 @@ impl Queries {
                     ("status", Text),
                     ("code", Text),
                     ("reached", Int),
-                    ("in_doubt", Int)
+                    ("in_doubt", Int),
+                    ("called", Int)
                 ]),
             )),
             effect_set_ref: x(&format!(

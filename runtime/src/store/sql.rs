@@ -1083,6 +1083,43 @@ impl Store for SqlStore {
         })
     }
 
+    async fn dead_jobs_settled(
+        &self,
+        codes: &[String],
+        providers: &[String],
+        plugin: Option<&str>,
+        after: JobId,
+        limit: u32,
+    ) -> Result<Vec<JobId>> {
+        if codes.is_empty() || providers.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = with_db!(self, |read, _write| {
+            sqlx::query_scalar(&self.q.dead_jobs_settled)
+                .bind(strings_json(codes))
+                .bind(strings_json(providers))
+                .bind(plugin.unwrap_or(""))
+                .bind(after.0)
+                .bind(i64::from(limit))
+                .fetch_all(read)
+                .await?
+        });
+        Ok(ids.into_iter().map(JobId).collect())
+    }
+
+    async fn effect_ask_later(&self, key: &str, attempt: u32, after: Duration) -> Result<bool> {
+        let after = i64::try_from(after.as_millis()).unwrap_or(i64::MAX / 2);
+        with_db!(self, |_read, write| {
+            let result = sqlx::query(&self.q.effect_ask_later)
+                .bind(key)
+                .bind(i64::from(attempt))
+                .bind(after)
+                .execute(write)
+                .await?;
+            Ok(result.rows_affected() > 0)
+        })
+    }
+
     async fn effect_resolve(&self, key: &str, resolution: Resolution) -> Result<bool> {
         with_db!(self, |_read, write| {
             let result = match &resolution {
@@ -1923,14 +1960,22 @@ fn effect_row_set(kind: EffectKind, writes: &[EffectItem]) -> RowSet {
             .ints(writes.iter().map(|w| {
                 i64::from(matches!(
                     w.sent,
-                    Some(Sent::MaybeApplied | Sent::Unresolved)
+                    Some(Sent::MaybeApplied | Sent::Unresolved | Sent::HeldInDoubt)
                 ))
             }))
             .ints(
-                writes
-                    .iter()
-                    .map(|w| i64::from(w.sent == Some(Sent::Unresolved))),
-            ),
+                writes.iter().map(|w| {
+                    i64::from(matches!(w.sent, Some(Sent::Unresolved | Sent::HeldInDoubt)))
+                }),
+            )
+            // Whether this claim called the provider: one that did not puts
+            // the latest try's time back.
+            .ints(writes.iter().map(|w| {
+                i64::from(matches!(
+                    w.sent,
+                    Some(Sent::MaybeApplied | Sent::Unresolved)
+                ))
+            })),
     }
 }
 

@@ -746,8 +746,32 @@ pub async fn effect_in_doubt_says_how_old_the_latest_try_is(store: Arc<dyn Store
         .await
         .unwrap();
     advance(&store, Duration::from_secs(20)).await;
-    let (_, tried_ago) = claimed_in_doubt_tried(&store, claim(&store, "k", "d", LONG).await).await;
+    let (d, tried_ago) = claimed_in_doubt_tried(&store, claim(&store, "k", "d", LONG).await).await;
     assert!(about(tried_ago, Duration::from_secs(20)), "{tried_ago:?}");
+    // D does not send it (the provider cannot dedupe, no lookup): left for
+    // an operator, the age still C's try's.
+    store
+        .effect_set_failed(EffectFailParams {
+            fence: d,
+            status: EffectStatus::Failed,
+            error_code: "may_not_resend".into(),
+            sent: Sent::HeldInDoubt,
+        })
+        .await
+        .unwrap();
+    advance(&store, Duration::from_secs(5)).await;
+    let rows = store
+        .effects_to_reconcile(&["email".to_string()], None, 10)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert!(
+        about(rows[0].tried_ago, Duration::from_secs(25)),
+        "D's claim did not count as a try: {:?}",
+        rows[0]
+    );
+    let row = store.effect_get("k").await.unwrap().unwrap();
+    assert!(row.in_doubt && row.reached, "{row:?}");
 }
 
 /// Issue 25: the keys the reconcile sweep asks about, and its fenced
