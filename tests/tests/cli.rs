@@ -647,8 +647,9 @@ fn enqueue_batch_reads_ndjson_prints_ids_in_order_and_refuses_a_bad_line_whole()
 /// key and the command that settles it) a job holding an effect in doubt;
 /// `effects show` shows it, `effects resolve` settles it once, and the replay
 /// then goes through.
-#[test]
-fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
+/// A dead job (`may_not_resend`) whose effect `k1` (provider `email`) is in
+/// doubt, in a fresh SQLite store: its folder, URL and id.
+fn dead_in_doubt() -> (tempfile::TempDir, String, idem::store::JobId) {
     use idem::failure::ErrorClass;
     use idem::store::{
         ClaimParams, EffectClaim, EffectClaimParams, EffectFailParams, EffectStatus, ErrorRecord,
@@ -730,6 +731,12 @@ fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
             .unwrap();
         id
     });
+    (dir, db, id)
+}
+
+#[test]
+fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
+    let (dir, db, id) = dead_in_doubt();
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_idem-test"))
             .args(["--database-url", &db])
@@ -769,6 +776,90 @@ fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
         String::from_utf8_lossy(&replayed.stderr)
     );
     assert!(String::from_utf8_lossy(&replayed.stdout).contains("\"replayed\":1"));
+}
+
+/// `idem effects reconcile`: refused without a provider that offers a
+/// lookup; with one, a dry run asks and writes nothing, then a run settles
+/// the key from the provider's answer and replays the job.
+#[test]
+fn effects_reconcile_asks_the_provider_then_settles_and_replays() {
+    let (dir, db, id) = dead_in_doubt();
+    let (runtime, provider) = provider_server();
+    // The provider applied k1 before the worker vanished.
+    runtime.block_on(async {
+        let answer = reqwest::Client::new()
+            .post(provider.url("/emails"))
+            .header("Idempotency-Key", "k1")
+            .json(&serde_json::json!({"to": ["ana@example.com"], "subject": "s"}))
+            .send()
+            .await
+            .unwrap();
+        assert!(answer.status().is_success());
+    });
+    let config = dir.path().join("idem.toml");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_idem-test"))
+            .args(["--database-url", &db])
+            .args(args)
+            .env_remove("IDEM_CONFIG")
+            .current_dir(dir.path())
+            .output()
+            .expect("run idem")
+    };
+    let refused = run(&["effects", "reconcile"]);
+    assert_eq!(refused.status.code(), Some(2), "a usage error");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("no configured provider offers a lookup"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    std::fs::write(
+        &config,
+        format!(
+            "[providers.email]\nkind = \"email\"\nbase_url = \"{}\"\ndedupes = false\n\
+             lookup = {{ path = \"/by-key/{{key}}\", settle = \"0s\", timeout = \"2s\" }}\n",
+            provider.base_url
+        ),
+    )
+    .unwrap();
+    let config_arg = config.display().to_string();
+    let dry = run(&["--config", &config_arg, "effects", "reconcile", "--dry-run"]);
+    assert_eq!(
+        dry.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&dry.stderr)
+    );
+    let report = json(&dry);
+    assert_eq!(report["asked"][0]["key"], "k1", "{report}");
+    assert_eq!(report["asked"][0]["outcome"], "applied", "{report}");
+    assert_eq!(report["asked"][0]["settled"], false, "{report}");
+    assert_eq!(report["replayed"], serde_json::json!([id.0]), "{report}");
+    assert_eq!(
+        json(&run(&["effects", "show", "k1"]))["in_doubt"],
+        true,
+        "a dry run writes nothing"
+    );
+    let done = run(&["--config", &config_arg, "effects", "reconcile"]);
+    assert_eq!(
+        done.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let report = json(&done);
+    assert_eq!(report["asked"][0]["settled"], true, "{report}");
+    assert_eq!(report["replayed"], serde_json::json!([id.0]), "{report}");
+    let row = json(&run(&["effects", "show", "k1"]));
+    assert_eq!(row["status"], "succeeded", "{row}");
+    assert!(
+        row["result_ref"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("msg_")),
+        "{row}"
+    );
+    assert_eq!(provider.applied("k1"), 1, "settled by asking, not sent");
+    assert_eq!(provider.lookups("k1"), 2);
 }
 
 #[test]

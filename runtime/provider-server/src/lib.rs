@@ -262,6 +262,13 @@ impl ProviderServerHandle {
         self.shared.lookups(key)
     }
 
+    /// Lookups answered, all keys together.
+    ///
+    /// `let asked = provider.lookups_total();`
+    pub fn lookups_total(&self) -> u64 {
+        self.shared.lookups_total()
+    }
+
     /// Makes lookups answer 404 for every key (`true`), or tell the truth again.
     ///
     /// `provider.set_lookup_lies(true);`

@@ -186,6 +186,10 @@ impl Shared {
         self.lock().lookups.get(key).copied().unwrap_or(0)
     }
 
+    pub fn lookups_total(&self) -> u64 {
+        self.lock().lookups.values().map(|n| u64::from(*n)).sum()
+    }
+
     pub fn set_lookup_lies(&self, lies: bool) {
         self.lookup_lies.store(lies, Ordering::Relaxed);
     }

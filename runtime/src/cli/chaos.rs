@@ -96,6 +96,8 @@ pub struct ChaosReport {
     /// Dead jobs held back by an effect in doubt, and keys waiting for
     /// `idem effects resolve`: what a person would have to settle.
     pub left_for_a_person: usize,
+    /// Lookups the provider server answered (effects in doubt asked about).
+    pub lookups: u64,
     /// Wall time, seconds.
     pub duration_s: f64,
 }
@@ -468,6 +470,7 @@ async fn verify(
         }
     }
     report.left_for_a_person = left_for_a_person(store).await?;
+    report.lookups = provider.lookups_total();
     // Nothing acknowledged without its effects: every effect of a succeeded
     // job's stored plan was applied at the provider (or, for a child job,
     // the child exists).
@@ -535,6 +538,7 @@ fn print(report: &ChaosReport, json: bool) {
         ("unclassified dead", report.unclassified_dead.to_string()),
         ("leases left", report.leases_left.to_string()),
         ("left for a person", report.left_for_a_person.to_string()),
+        ("lookups answered", report.lookups.to_string()),
         (
             "providers",
             if report.lookup {
