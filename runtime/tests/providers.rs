@@ -624,3 +624,114 @@ async fn a_sql_provider_on_another_postgres_database_answers_from_its_guard() {
         "{failed}"
     );
 }
+
+/// A model of Stripe's search (`GET /v1/payment_intents/search?query=...`)
+/// for the worked example of docs/configuration.md: clauses
+/// `metadata['idem_key']:'VALUE'` (a `'` inside VALUE escaped as `\'`),
+/// joined by ` AND ` / ` OR ` left to right; a query it cannot parse is
+/// 400. It holds one payment, created with `metadata[idem_key] = stored`.
+async fn stripe_search(stored: &'static str) -> String {
+    use axum::http::{StatusCode, Uri};
+    use axum::response::IntoResponse;
+    fn parse(query: &str, stored: &str) -> Option<bool> {
+        const CLAUSE: &str = "metadata['idem_key']:'";
+        let mut rest = query;
+        let mut result: Option<bool> = None;
+        let mut join = "";
+        loop {
+            rest = rest.strip_prefix(CLAUSE)?;
+            let mut value = String::new();
+            let mut chars = rest.char_indices();
+            let end = loop {
+                match chars.next()? {
+                    (_, '\\') => value.push(chars.next()?.1),
+                    (i, '\'') => break i,
+                    (_, c) => value.push(c),
+                }
+            };
+            rest = &rest[end + 1..];
+            let matched = value == stored;
+            result = Some(match (result, join) {
+                (None, _) => matched,
+                (Some(r), " AND ") => r && matched,
+                (Some(r), _) => r || matched,
+            });
+            if rest.is_empty() {
+                return result;
+            }
+            join = [" AND ", " OR "]
+                .into_iter()
+                .find(|j| rest.starts_with(j))?;
+            rest = &rest[join.len()..];
+        }
+    }
+    let app = axum::Router::new().fallback(move |uri: Uri| async move {
+        let query = url::form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+            .find(|(k, _)| k == "query")
+            .map(|(_, v)| v.into_owned())
+            .unwrap_or_default();
+        match parse(&query, stored) {
+            Some(found) => {
+                let data: Vec<serde_json::Value> = if found {
+                    vec![serde_json::json!({"id": "pi_1"})]
+                } else {
+                    Vec::new()
+                };
+                axum::Json(serde_json::json!({"data": data})).into_response()
+            }
+            None => (
+                StatusCode::BAD_REQUEST,
+                axum::Json(serde_json::json!({"error": {"code": "parameter_invalid"}})),
+            )
+                .into_response(),
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+/// Review of issue 25: `{key}` is percent-encoded for the URL, not for the
+/// search language it sits in. With docs/configuration.md's Stripe example,
+/// a key holding `'` (keys are any printable ASCII) is not always "a 400
+/// that fits neither outcome" as the docs say: a key that closes the string
+/// and adds a clause makes a well-formed search that misses the payment
+/// made under that very key, so the lookup says "not applied" and idem
+/// charges again. The model search finds plain keys (the check can pass).
+#[tokio::test]
+async fn review_a_key_cannot_rewrite_the_search_it_is_put_in() {
+    let key = "billing/inv-7' AND metadata['idem_key']:'none";
+    let base_url = stripe_search(key).await;
+    let provider = HttpProvider::from_config(
+        "stripe",
+        &config(
+            "http",
+            &base_url,
+            "lookup = { path = \"/v1/payment_intents/search?query=metadata%5B%27idem_key%27%5D%3A%27{key}%27\", \
+             result = { json_pointer = \"/data/0/id\" }, when_no_result = \"not_applied\", settle = \"5m\" }",
+        ),
+    )
+    .unwrap();
+    let plain_url = stripe_search("billing/inv-8").await;
+    let plain = HttpProvider::from_config(
+        "stripe",
+        &config(
+            "http",
+            &plain_url,
+            "lookup = { path = \"/v1/payment_intents/search?query=metadata%5B%27idem_key%27%5D%3A%27{key}%27\", \
+             result = { json_pointer = \"/data/0/id\" }, when_no_result = \"not_applied\" }",
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        plain.look_up("billing/inv-8", "f").await,
+        Ok(applied("pi_1"))
+    );
+    let answer = provider.look_up(key, "f").await;
+    assert_ne!(
+        answer,
+        Ok(Lookup::NotApplied),
+        "the payment made under {key:?} exists: never \"not applied\""
+    );
+}

@@ -719,3 +719,93 @@ async fn a_lookup_answers_the_stored_response_without_applying_anything() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(error_code(&body), "invalid_lookup_key");
 }
+
+/// Review of issue 25 (`dedupe: false` with a `processing_delay`): while a
+/// repeat of an applied key is processing, the lookup must still find the
+/// first answer, and the first answer must stay the one it finds after the
+/// repeat is applied. `begin` overwrites the key's `Slot::Done` with the
+/// repeat's `Slot::InProgress`, so the lookup answers 404 meanwhile (a false
+/// "not applied": idem sends a third time), and `apply` then finds no
+/// `Done` slot and stores the repeat's answer as if it were the first.
+#[tokio::test]
+async fn review_without_dedupe_a_repeat_in_progress_keeps_the_first_answer_for_the_lookup() {
+    let provider = start(ProviderServerConfig {
+        dedupe: false,
+        processing_delay: Duration::from_millis(400),
+        ..test_config()
+    })
+    .await;
+    let client = client();
+    let url = provider.url("/emails");
+    let body = email("ada@example.com");
+    let (status, _, first) = send(&client, &url, Some("billing/k2"), &body).await;
+    assert_eq!(status, StatusCode::OK);
+    let repeat = send(&client, &url, Some("billing/k2"), &body);
+    let during = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        look_up(&client, &provider, "billing%2Fk2").await
+    };
+    let ((status, _, second), (during_status, during_body)) = tokio::join!(repeat, during);
+    assert_eq!(status, StatusCode::OK);
+    assert_ne!(first["id"], second["id"], "applied again (no dedupe)");
+    assert_eq!(provider.applied("billing/k2"), 2);
+    let (after_status, after_body) = look_up(&client, &provider, "billing%2Fk2").await;
+    let found = [
+        (during_status, during_body["id"].clone()),
+        (after_status, after_body["id"].clone()),
+    ];
+    assert_eq!(
+        found,
+        [
+            (StatusCode::OK, first["id"].clone()),
+            (StatusCode::OK, first["id"].clone())
+        ],
+        "the lookup finds the first answer ({}) while the repeat ({}) is processing, and after",
+        first["id"],
+        second["id"]
+    );
+}
+
+/// Review of issue 25: with `dedupe: false`, a repeat whose client goes
+/// away while it is processing frees "its" key by removing the slot, which
+/// is the first request's stored answer: the lookup then says 404 forever
+/// for a key that was applied.
+#[tokio::test]
+async fn review_without_dedupe_an_abandoned_repeat_does_not_erase_the_first_answer() {
+    let provider = start(ProviderServerConfig {
+        dedupe: false,
+        processing_delay: Duration::from_millis(300),
+        ..test_config()
+    })
+    .await;
+    let client = client();
+    let url = provider.url("/emails");
+    let body = email("ada@example.com");
+    let (status, _, first) = send(&client, &url, Some("billing/k3"), &body).await;
+    assert_eq!(status, StatusCode::OK);
+    let impatient = Client::builder()
+        .timeout(CLIENT_TIMEOUT)
+        .build()
+        .expect("client");
+    let gone = impatient
+        .post(&url)
+        .header("Idempotency-Key", "billing/k3")
+        .json(&body)
+        .send()
+        .await
+        .expect_err("times out");
+    assert!(gone.is_timeout(), "{gone}");
+    // Poll until the server has seen the client go (its 499 is recorded).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !provider.calls().await.iter().any(|c| c.status == 499) {
+        assert!(tokio::time::Instant::now() < deadline, "499 recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(provider.applied("billing/k3"), 1);
+    let (status, found) = look_up(&client, &provider, "billing%2Fk3").await;
+    assert_eq!(
+        (status, found["id"].clone()),
+        (StatusCode::OK, first["id"].clone()),
+        "the key was applied once: the lookup finds that answer"
+    );
+}

@@ -463,4 +463,70 @@ mod tests {
             "{waited:?}"
         );
     }
+
+    /// Review of issue 25: a `json_pointer` that is not a JSON pointer (no
+    /// leading `/`, a typo of `/data/0/id`) is accepted at start and then
+    /// finds nothing in every answer, so with `when_no_result =
+    /// "not_applied"` a search that found the request reads as "not
+    /// applied" and idem sends it again.
+    #[test]
+    fn review_a_json_pointer_without_a_leading_slash_never_reads_a_found_request_as_not_applied() {
+        let config: LookupConfig = toml::from_str(
+            "path = \"/search?key={key}\"\nresult = { json_pointer = \"data/0/id\" }\n\
+             when_no_result = \"not_applied\"",
+        )
+        .unwrap();
+        let Ok(l) = HttpLookup::new(&config, &ResultRef::default(), Duration::from_secs(7)) else {
+            return; // refused at start: what the review asks for
+        };
+        assert_ne!(
+            answer(&l, 200, r#"{"data":[{"id":"em_1"}]}"#),
+            Ok(Lookup::NotApplied),
+            "the search found em_1: never \"not applied\""
+        );
+    }
+
+    /// Review of issue 25: a tiny positive `rate_per_second` passes
+    /// validation, and the second lookup then panics in
+    /// `Duration::from_secs_f64` (the wait, 1e30 s, overflows a Duration).
+    #[tokio::test(start_paused = true)]
+    async fn review_a_tiny_lookup_rate_is_refused_or_waits_without_panicking() {
+        let config: LookupConfig =
+            toml::from_str("path = \"/by-key/{key}\"\nrate_per_second = 1e-30").unwrap();
+        let Ok(l) = HttpLookup::new(&config, &ResultRef::default(), Duration::from_secs(7)) else {
+            return; // refused at start: fine
+        };
+        drop(l.enter().await);
+        let second = tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(1), l.enter())
+                .await
+                .is_err()
+        })
+        .await;
+        assert!(
+            matches!(second, Ok(true)),
+            "the second lookup waits (and its caller's timeout ends the wait): {second:?}"
+        );
+    }
+
+    /// Review of issue 25: the excerpt of an unanswerable lookup's body
+    /// goes into the job's error record; a provider (or a gateway in front
+    /// of it) that echoes the request's `Authorization` in its error body
+    /// puts idem's own secret there. The effects' path stores only a
+    /// provider's error code ("raw bodies are never stored").
+    #[test]
+    fn review_an_unanswerable_lookup_keeps_no_credential_from_the_body() {
+        let l = lookup("");
+        let refused = answer(
+            &l,
+            401,
+            "invalid credentials: Authorization: Bearer sk_live_9f8e7d6c5b4a",
+        )
+        .unwrap_err();
+        assert!(
+            !refused.message.contains("sk_live_9f8e7d6c5b4a"),
+            "{}",
+            refused.message
+        );
+    }
 }

@@ -1306,3 +1306,61 @@ impl Executor {
         metrics::fenced_out();
     }
 }
+
+#[cfg(test)]
+mod review_tests {
+    use super::*;
+    use crate::store::{JobId, JobState};
+
+    fn deferred_job() -> Job {
+        Job {
+            id: JobId(1),
+            queue: "default".into(),
+            plugin: "billing".into(),
+            payload: Vec::new(),
+            idempotency_key: None,
+            priority: 0,
+            run_at_ms: 0,
+            state: JobState::Running,
+            attempt: 1,
+            max_attempts: 5,
+            lease_owner: Some("w".into()),
+            lease_until_ms: Some(60_000),
+            heartbeat_at_ms: Some(10_000),
+            last_error_code: None,
+            last_error_message: None,
+            errors: Vec::new(),
+            correlation_id: "c".into(),
+            plugin_hash: None,
+            plan: None,
+            plan_hash: None,
+            rescues: 0,
+            started: true,
+            unstarted_rescues: 0,
+            created_at_ms: 0,
+            updated_at_ms: 10_000,
+            finished_at_ms: None,
+            first_failed_at_ms: None,
+            last_failed_at_ms: None,
+            deferred_since_ms: Some(5_000),
+            interruptions: 0,
+        }
+    }
+
+    /// Review of issue 25: a lookup answered 429/503 with an absurd
+    /// `Retry-After` (the provider's `retry_after` takes any u64 seconds)
+    /// parks the job for as long as the provider says: here ~127 years,
+    /// capped only by the store at 100 years. The effects' own retries cap
+    /// a provider's Retry-After at `MAX_RETRY_AFTER` (1 h), and the sweep
+    /// caps it at its pause; a job parked for years is neither in the DLQ
+    /// nor past `max_deferral` until it wakes.
+    #[test]
+    fn review_a_lookups_retry_after_is_capped_like_an_effects() {
+        let absurd = Some(Duration::from_secs(4_000_000_000));
+        let wait = lookup_backoff(&deferred_job(), absurd);
+        assert!(
+            wait <= crate::queue::backoff::MAX_RETRY_AFTER,
+            "a lookup deferral of {wait:?}"
+        );
+    }
+}
