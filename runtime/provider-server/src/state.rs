@@ -434,7 +434,11 @@ impl Shared {
             return Begin::Reply(inner.apply(&ctx, config));
         }
         let token = ctx.seq;
-        if let Some(key) = &ctx.key {
+        // Without dedupe nothing waits on a key in progress (a repeat is
+        // processed on its own), and the first answer a lookup finds stays.
+        if config.dedupe
+            && let Some(key) = &ctx.key
+        {
             inner.slots.insert(
                 key.clone(),
                 Slot::InProgress {

@@ -264,6 +264,27 @@ fn default_lookup_rate() -> f64 {
     10.0
 }
 
+impl ResultRef {
+    /// Refuses a `json_pointer` that is not one (RFC 6901: empty, or
+    /// starting with `/`): a typo such as `data/0/id` would find nothing in
+    /// every answer, and a lookup with `when_no_result = "not_applied"`
+    /// would read every request it found as not applied.
+    ///
+    /// `config.result.validate()?;`
+    pub fn validate(&self) -> Result<(), String> {
+        if self.header.is_none()
+            && !self.json_pointer.is_empty()
+            && !self.json_pointer.starts_with('/')
+        {
+            return Err(format!(
+                "result json_pointer {:?} must start with '/' (e.g. \"/data/0/id\")",
+                self.json_pointer
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl LookupConfig {
     /// Refuses a lookup that cannot be asked safely, naming the problem:
     /// a method that may write, a path without `{key}`, a status in both

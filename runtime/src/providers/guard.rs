@@ -25,6 +25,9 @@ pub struct Guard {
     config: GuardConfig,
 }
 
+/// Longest wait for a rate token ever answered.
+const MAX_TOKEN_WAIT: Duration = Duration::from_secs(24 * 3600);
+
 /// Permission to make one call; report its outcome with [`Permit::record`].
 pub struct Permit<'a> {
     guard: &'a Guard,
@@ -115,9 +118,13 @@ impl TokenBucket {
             self.tokens -= 1.0;
             None
         } else {
-            Some(Duration::from_secs_f64(
-                (1.0 - self.tokens) / self.per_second,
-            ))
+            // A tiny rate would overflow a Duration: a day is as good as
+            // forever for a caller that bounds its wait anyway.
+            Some(
+                Duration::try_from_secs_f64((1.0 - self.tokens) / self.per_second)
+                    .unwrap_or(MAX_TOKEN_WAIT)
+                    .min(MAX_TOKEN_WAIT),
+            )
         }
     }
 }

@@ -106,6 +106,7 @@ impl HttpProvider {
             )),
             None => None,
         };
+        config.result.validate()?;
         let base = Base::parse(&config.base_url)?;
         let lookup = config
             .lookup

@@ -49,15 +49,17 @@ impl HttpLookup {
         config.validate()?;
         let method = reqwest::Method::from_bytes(config.method.as_bytes())
             .map_err(|_| format!("lookup method {:?} is not a method", config.method))?;
+        let result = config
+            .result
+            .clone()
+            .unwrap_or_else(|| provider_result.clone());
+        result.validate().map_err(|why| format!("lookup {why}"))?;
         Ok(HttpLookup {
             method,
             path: config.path.clone(),
             applied: config.applied.clone(),
             not_applied: config.not_applied.clone(),
-            result: config
-                .result
-                .clone()
-                .unwrap_or_else(|| provider_result.clone()),
+            result,
             when_no_result: config.when_no_result,
             policy: LookupPolicy {
                 settle: config.settle,
@@ -71,6 +73,19 @@ impl HttpLookup {
     /// percent-encoded, so `/` and `?` stay inside the key's segment. The
     /// result still goes through the provider's path check.
     pub fn path_for(&self, key: &str) -> Result<String, Failure> {
+        // A lookup path is often a search (`query=metadata['k']:'{key}'`):
+        // percent-encoding keeps a key inside its URL segment, but the
+        // provider decodes it before its search language reads it, where a
+        // quote or a backslash would end the string early and could turn
+        // the search into one that misses the request ("not applied", sent
+        // again). Such a key is never asked.
+        if let Some(c) = key.chars().find(|c| matches!(c, '\'' | '"' | '\\' | '`')) {
+            return Err(unanswerable(format!(
+                "the key {} holds {c:?}, which could end a quoted string in the provider's \
+                 search: it is not asked",
+                crate::boundary::shown(key)
+            )));
+        }
         let encoded = encode_key(key);
         // A key of dots is a dot segment once in the path (`/by-key/.`
         // resolves to `/by-key/`): another resource, never asked.
@@ -161,22 +176,14 @@ fn shown_status(status: u16) -> String {
     }
 }
 
-/// A short, cleaned sign of what a body said: the provider's error code
-/// when it is a sane token, else its first characters, URLs redacted and
-/// quoted by [`crate::boundary::shown`]; empty for an empty body.
+/// The provider's error code in a body, when it is a sane token: never
+/// the body itself, which may echo a credential (a gateway repeating the
+/// `Authorization` header), as an effect's error record keeps only the code.
 fn excerpt(body: &[u8]) -> String {
-    if let Some(code) = super::http::provider_code(body) {
-        return format!(" ({code})");
+    match super::http::provider_code(body) {
+        Some(code) => format!(" ({code})"),
+        None => String::new(),
     }
-    let text = String::from_utf8_lossy(&body[..body.len().min(200)]);
-    let text = text.trim();
-    if text.is_empty() {
-        return String::new();
-    }
-    format!(
-        ": {}",
-        crate::boundary::shown(&crate::boundary::redact_urls(text))
-    )
 }
 
 /// What a response holds where a [`ResultRef`] points.
@@ -405,10 +412,11 @@ mod tests {
         for (status, body, said) in [
             (400, r#"{"error":{"code":"invalid_key"}}"#, "(invalid_key)"),
             (401, "", "401 Unauthorized"),
+            // The body is never quoted (it may echo a credential).
             (
                 403,
                 "forbidden by http://u:pw@proxy.example/x",
-                "forbidden by",
+                "403 Forbidden",
             ),
             (301, "", "redirects are not followed"),
             (204, "", "204 No Content"),
@@ -431,11 +439,13 @@ mod tests {
     }
 
     #[test]
-    fn an_excerpt_is_short_and_escaped() {
-        let body = format!("\u{1b}[2J{}", "x".repeat(500));
-        let said = excerpt(body.as_bytes());
-        assert!(said.len() < 120, "{said}");
-        assert!(!said.contains('\u{1b}'), "{said}");
+    fn an_excerpt_is_only_the_providers_error_code() {
+        assert_eq!(
+            excerpt(br#"{"error":{"code":"invalid_key"}}"#),
+            " (invalid_key)"
+        );
+        let body = format!("\u{1b}[2J Bearer sk_live_x {}", "x".repeat(500));
+        assert_eq!(excerpt(body.as_bytes()), "", "no text of the body");
         assert_eq!(excerpt(b"  "), "");
     }
 

@@ -79,7 +79,11 @@ fn lookup_backoff(job: &Job, retry_after: Option<Duration>) -> Duration {
     let base = deferring.clamp(Duration::from_secs(1), Duration::from_secs(300));
     let half = base / 2;
     let jittered = half + half.mul_f64(rand::random::<f64>());
-    jittered.max(retry_after.unwrap_or_default())
+    // A provider's `Retry-After` is capped as an effect's is.
+    let asked = retry_after
+        .unwrap_or_default()
+        .min(super::backoff::MAX_RETRY_AFTER);
+    jittered.max(asked)
 }
 
 /// Longest deferral when another worker holds an effect's key.
