@@ -647,6 +647,18 @@ fn enqueue_batch_reads_ndjson_prints_ids_in_order_and_refuses_a_bad_line_whole()
 /// key and the command that settles it) a job holding an effect in doubt;
 /// `effects show` shows it, `effects resolve` settles it once, and the replay
 /// then goes through.
+/// `idem --database-url DB ARGS..` run in `dir`, with no configuration
+/// from the environment.
+fn idem_at(dir: &std::path::Path, db: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idem-test"))
+        .args(["--database-url", db])
+        .args(args)
+        .env_remove("IDEM_CONFIG")
+        .current_dir(dir)
+        .output()
+        .expect("run idem")
+}
+
 /// A dead job (`may_not_resend`) whose effect `k1` (provider `email`) is in
 /// doubt, in a fresh SQLite store: its folder, URL and id.
 fn dead_in_doubt() -> (tempfile::TempDir, String, idem::store::JobId) {
@@ -737,15 +749,7 @@ fn dead_in_doubt() -> (tempfile::TempDir, String, idem::store::JobId) {
 #[test]
 fn an_effect_in_doubt_blocks_replay_until_resolved_from_the_command_line() {
     let (dir, db, id) = dead_in_doubt();
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_idem-test"))
-            .args(["--database-url", &db])
-            .args(args)
-            .env_remove("IDEM_CONFIG")
-            .current_dir(dir.path())
-            .output()
-            .expect("run idem")
-    };
+    let run = |args: &[&str]| idem_at(dir.path(), &db, args);
     let id = id.to_string();
     let refused = run(&["dlq", "replay", &id, "--rate", "100/s"]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
@@ -797,15 +801,7 @@ fn effects_reconcile_asks_the_provider_then_settles_and_replays() {
         assert!(answer.status().is_success());
     });
     let config = dir.path().join("idem.toml");
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_idem-test"))
-            .args(["--database-url", &db])
-            .args(args)
-            .env_remove("IDEM_CONFIG")
-            .current_dir(dir.path())
-            .output()
-            .expect("run idem")
-    };
+    let run = |args: &[&str]| idem_at(dir.path(), &db, args);
     let refused = run(&["effects", "reconcile"]);
     assert_eq!(refused.status.code(), Some(2), "a usage error");
     assert!(

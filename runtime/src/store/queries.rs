@@ -32,6 +32,14 @@ const JOB_FENCE: &str = "{job_ids}jobs.id = t.id AND {job_running} \
 const EFFECT_FENCE: &str = "{effect_keys}effects.key = t.key AND effects.lease_owner = t.owner \
     AND effects.attempt = t.attempt AND {effect_processing}";
 
+/// A reconcile answer's target: key `$1` at attempt `$2` (the attempt
+/// read: every claim moves it), still unsettled and held by no live lease,
+/// all re-checked on the row itself.
+const UNSETTLED_AT_ATTEMPT: &str = "key = $1 AND attempt = $2 \
+    AND (reached = 1 OR status = 'processing') AND status <> 'succeeded' \
+    AND (status <> 'failed' OR in_doubt = 1) \
+    AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now})";
+
 use ColType::{Bytes, Int, Text};
 
 /// Columns of the job fence in a row set (first in every job row set).
@@ -441,26 +449,20 @@ impl Queries {
             // A lookup's answer, fenced by the attempt read with the row
             // (every claim moves it) and re-checked on the row itself: a
             // key claimed or settled meanwhile is left alone.
-            effect_reconcile_applied: x(
+            effect_reconcile_applied: x(&format!(
                 "UPDATE effects SET status = 'succeeded', result_ref = COALESCE($3, result_ref), \
                      reached = 1, in_doubt = 0, lease_owner = NULL, lease_until = NULL, \
-                     updated_at = {now} \
-                 WHERE key = $1 AND attempt = $2 AND (reached = 1 OR status = 'processing') \
-                   AND status <> 'succeeded' \
-                   AND (status <> 'failed' OR in_doubt = 1) \
-                   AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now})",
-            ),
+                     updated_at = {{now}} \
+                 WHERE {UNSETTLED_AT_ATTEMPT}"
+            )),
             // As `effect_resolve_not_applied`: no earlier try reached the
             // provider, so the next try is a first one.
-            effect_reconcile_not_applied: x(
+            effect_reconcile_not_applied: x(&format!(
                 "UPDATE effects SET status = 'retrying', reached = 0, in_doubt = 0, \
                      first_sent_at = NULL, lease_owner = NULL, lease_until = NULL, \
-                     updated_at = {now} \
-                 WHERE key = $1 AND attempt = $2 AND (reached = 1 OR status = 'processing') \
-                   AND status <> 'succeeded' \
-                   AND (status <> 'failed' OR in_doubt = 1) \
-                   AND (status <> 'processing' OR COALESCE(lease_until, 0) < {now})",
-            ),
+                     updated_at = {{now}} \
+                 WHERE {UNSETTLED_AT_ATTEMPT}"
+            )),
             // The sweep leaves a key it could not settle until `$3` ms from
             // now (fenced by the attempt read: a claim moves it on).
             effect_ask_later: x(
