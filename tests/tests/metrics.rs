@@ -39,4 +39,30 @@ async fn a_worker_records_jobs_effects_hits_providers_and_queue_depth() {
     ] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }
+    // An answer lost to a timeout at a provider that cannot dedupe but
+    // offers a lookup: the key is settled by asking it.
+    h.provider.script_faults(
+        "send_invoice_email/invoice:2:email:v1",
+        vec![idem_provider_server::Fault::Late],
+    );
+    h.store
+        .job_insert(NewJob::new(
+            "send_invoice_email",
+            br#"{"invoice_id": 2, "recipient": "ana@example.com"}"#.to_vec(),
+        ))
+        .await
+        .unwrap();
+    h.drain_with(h.providers_with(
+        "breaker_failures = 1000\ndedupes = false\n\
+         lookup = { path = \"/by-key/{key}\", settle = \"0s\" }",
+    ))
+    .await;
+
+    let text = handle.render();
+    for expected in [
+        r#"idem_effects_reconciled_total{provider="email",outcome="applied"}"#,
+        r#"idem_jobs_deferred_total{plugin="send_invoice_email",reason="effect_in_doubt"} 1"#,
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
 }
