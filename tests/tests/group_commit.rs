@@ -73,6 +73,11 @@ async fn a_flush_that_panics_fails_its_own_writes_and_the_flusher_goes_on(backen
         .expect("the next write is answered");
     assert_eq!(second.unwrap(), Written::Job(Fence::Applied));
     assert_eq!(state(&store, &jobs[1]).await, JobState::Succeeded);
+    // The backlog shrinks just after the answer is sent (so `flushed`
+    // means answered): wait for it rather than race it.
+    tokio::time::timeout(Duration::from_secs(10), group.flushed())
+        .await
+        .expect("nothing stays queued");
     assert_eq!(group.queued(), 0);
 }
 
