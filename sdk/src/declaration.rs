@@ -18,9 +18,11 @@
 //! assert_eq!(d.providers, ["email"]);
 //! ```
 
-use crate::effect::JOBS_PROVIDER;
 use serde::Deserialize;
 use std::fmt;
+
+/// The built-in provider that enqueues child jobs.
+pub const JOBS_PROVIDER: &str = "jobs";
 
 /// Name of the wasm custom section holding the declaration.
 pub const SECTION: &str = "idem-plugin-manifest";

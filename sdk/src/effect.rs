@@ -7,8 +7,7 @@ use std::time::Duration;
 
 /// Provider that [`Effect::email`] uses unless [`Effect::via`] says otherwise.
 pub const DEFAULT_EMAIL_PROVIDER: &str = "email";
-/// The built-in provider that enqueues child jobs.
-pub const JOBS_PROVIDER: &str = "jobs";
+pub use crate::declaration::JOBS_PROVIDER;
 
 /// One business effect. The host carries it out at most once per key.
 ///

@@ -42,21 +42,30 @@
 extern crate self as idem_sdk;
 
 pub mod declaration;
+#[cfg(feature = "guest")]
 pub mod effect;
+#[cfg(feature = "guest")]
 pub mod error;
+#[cfg(feature = "guest")]
 pub mod job;
 pub mod key;
+#[cfg(feature = "guest")]
 pub mod log;
 pub mod sql;
 
+#[cfg(feature = "guest")]
 pub use effect::{ChildJob, Effect, Email, HttpRequest};
+#[cfg(feature = "guest")]
 pub use error::JobError;
+#[cfg(feature = "guest")]
 pub use idem_sdk_macro::plugin;
+#[cfg(feature = "guest")]
 pub use job::Job;
 pub use key::{IdempotencyKey, InvalidKey, MAX_KEY_LEN};
 pub use sql::SqlValue;
 
 /// Glue used by the code that `#[plugin]` emits. Not a public API.
+#[cfg(feature = "guest")]
 #[doc(hidden)]
 pub mod __private {
     pub use wit_bindgen;
