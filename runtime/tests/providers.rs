@@ -430,20 +430,24 @@ async fn a_search_lookup_maps_every_answer() {
 }
 
 /// A provider that holds every lookup until a second one is in flight (or
-/// 300 ms pass), and records the most it saw at once.
+/// 300 ms pass: proving that none comes takes waiting), and records the
+/// most it saw at once.
 async fn slow_api() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let in_flight = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
+    let second = Arc::new(tokio::sync::Notify::new());
     let seen = most.clone();
     let app = axum::Router::new().fallback(move || {
-        let (in_flight, most) = (in_flight.clone(), most.clone());
+        let (in_flight, most, second) = (in_flight.clone(), most.clone(), second.clone());
         async move {
+            let arrived = second.notified();
             let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
             most.fetch_max(now, Ordering::SeqCst);
-            let until = tokio::time::Instant::now() + Duration::from_millis(300);
-            while in_flight.load(Ordering::SeqCst) < 2 && tokio::time::Instant::now() < until {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+            if now >= 2 {
+                second.notify_waiters();
+            } else {
+                let _ = tokio::time::timeout(Duration::from_millis(300), arrived).await;
             }
             in_flight.fetch_sub(1, Ordering::SeqCst);
             axum::Json(serde_json::json!({"id": "em_1"}))

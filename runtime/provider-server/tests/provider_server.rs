@@ -742,7 +742,10 @@ async fn review_without_dedupe_a_repeat_in_progress_keeps_the_first_answer_for_t
     assert_eq!(status, StatusCode::OK);
     let repeat = send(&client, &url, Some("billing/k2"), &body);
     let during = async {
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        // Once the repeat is in (counted, still in its processing delay).
+        while provider.requests("billing/k2") < 2 {
+            tokio::task::yield_now().await;
+        }
         look_up(&client, &provider, "billing%2Fk2").await
     };
     let ((status, _, second), (during_status, during_body)) = tokio::join!(repeat, during);

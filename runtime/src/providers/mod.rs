@@ -91,6 +91,30 @@ impl LookupPolicy {
     }
 }
 
+/// Asks `provider` whether it applied `key` ([`Provider::look_up`]),
+/// bounded by `policy.timeout` whatever the provider does: past it, the
+/// answer is `lookup_unavailable` (ask again later). The one way the
+/// executor and the reconcile sweep ask.
+///
+/// `let answer = look_up_within(&*guarded.provider, policy, key, fingerprint).await;`
+pub async fn look_up_within(
+    provider: &dyn Provider,
+    policy: LookupPolicy,
+    key: &str,
+    fingerprint: &str,
+) -> Result<Lookup, Failure> {
+    match tokio::time::timeout(policy.timeout, provider.look_up(key, fingerprint)).await {
+        Ok(answer) => answer,
+        Err(_) => Err(Failure::host(
+            crate::failure::Code::LookupUnavailable,
+            format!(
+                "the lookup took longer than {}",
+                humantime::format_duration(policy.timeout)
+            ),
+        )),
+    }
+}
+
 /// A provider of effects.
 ///
 /// ```no_run

@@ -651,23 +651,13 @@ impl Executor {
         } = asked;
         let name = effect.provider.as_str();
         let started = Instant::now();
-        let answer = match tokio::time::timeout(
-            policy.timeout,
-            provider
-                .provider
-                .look_up(&effect.idempotency_key, &fingerprint(effect)),
+        let answer = crate::providers::look_up_within(
+            &*provider.provider,
+            policy,
+            &effect.idempotency_key,
+            &fingerprint(effect),
         )
-        .await
-        {
-            Ok(answer) => answer,
-            Err(_) => Err(Failure::host(
-                Code::LookupUnavailable,
-                format!(
-                    "the lookup took longer than {}",
-                    humantime::format_duration(policy.timeout)
-                ),
-            )),
-        };
+        .await;
         WorkerStats::timed(&self.stats.provider_call_us, started);
         match answer {
             Ok(Lookup::Applied { result_ref }) => {

@@ -11,7 +11,7 @@
 //! write is fenced by the key's attempt as read, so a key claimed by a
 //! worker meanwhile is left to that worker.
 
-use crate::failure::{Code, Failure};
+use crate::failure::Code;
 use crate::metrics;
 use crate::ops::replay::{Pacer, ReplayRequest};
 use crate::providers::{GuardedProvider, Lookup, Providers};
@@ -215,18 +215,7 @@ async fn ask(
         }
     };
     let looked_up =
-        match tokio::time::timeout(policy.timeout, provider.provider.look_up(key, fingerprint))
-            .await
-        {
-            Ok(looked_up) => looked_up,
-            Err(_) => Err(Failure::host(
-                Code::LookupUnavailable,
-                format!(
-                    "the lookup took longer than {}",
-                    humantime::format_duration(policy.timeout)
-                ),
-            )),
-        };
+        crate::providers::look_up_within(&*provider.provider, policy, key, fingerprint).await;
     match looked_up {
         Ok(Lookup::Applied { result_ref }) => {
             permit.record(Ok(()));
