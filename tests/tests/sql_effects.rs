@@ -525,7 +525,61 @@ mod crashes {
         );
     }
 
+    /// A plan whose only (so last) effect is a statement on the store's own
+    /// database: the job's success commits with the row and its ledger
+    /// mark, so a crash right after that commit leaves the job done, with
+    /// nothing to redeliver.
+    async fn a_last_statement_commits_the_jobs_success_with_it(backend: Backend) {
+        let h = Harness::new(backend).await;
+        exec(
+            &h.url,
+            "CREATE TABLE idem_bench_rows (i BIGINT PRIMARY KEY)",
+        )
+        .await;
+        let job = h
+            .store
+            .job_insert(NewJob::new("bench_sql", br#"{"i": 7}"#.to_vec()))
+            .await
+            .unwrap();
+        let config = h.config_file(Duration::from_secs(5));
+        let mut text = std::fs::read_to_string(config.path()).unwrap();
+        text.push_str(
+            "\n[providers.bench_db]\nkind = \"sql\"\ntimeout = \"5s\"\n\
+             statements.insert_row = \"INSERT INTO idem_bench_rows (i) VALUES ($1) RETURNING i\"\n",
+        );
+        std::fs::write(config.path(), text).unwrap();
+        let mut child = idem_tests::spawn_drain(
+            env!("CARGO_BIN_EXE_idem-test"),
+            config.path(),
+            "after_key_marked=abort",
+        );
+        let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+            .await
+            .expect("the process reaches its failpoint within 60 s")
+            .unwrap();
+        assert!(!status.success(), "it died after the statement's commit");
+        let row = h
+            .store
+            .effect_get("bench_sql/bench:7:row")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, EffectStatus::Succeeded);
+        assert_eq!(row.result_ref.as_deref(), Some("7"));
+        let job = h.store.job_get(job.id).await.unwrap().unwrap();
+        assert_eq!(
+            job.state,
+            JobState::Succeeded,
+            "the job's success committed with the statement"
+        );
+        assert_eq!(
+            count(&h.url, "SELECT count(*) FROM idem_bench_rows").await,
+            1
+        );
+    }
+
     both_backends!(
+        a_last_statement_commits_the_jobs_success_with_it,
         same_database_crash_inside_the_transaction,
         same_database_crash_after_the_commit,
         other_database_crash_between_the_two_commits,

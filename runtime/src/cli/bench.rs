@@ -37,6 +37,9 @@ pub enum BenchPlugin {
     Child,
     /// One HTTP request to the local provider server (`bench_http`).
     Http,
+    /// One `sql` statement on the store's own database (`bench_sql`): a
+    /// row, its ledger entry and the job's success in one commit.
+    Sql,
 }
 
 impl BenchPlugin {
@@ -45,6 +48,7 @@ impl BenchPlugin {
             BenchPlugin::Noop => "noop",
             BenchPlugin::Child => "bench_child",
             BenchPlugin::Http => "bench_http",
+            BenchPlugin::Sql => "bench_sql",
         }
     }
 }
@@ -325,6 +329,20 @@ impl Scratch {
         }
     }
 
+    /// The table `bench_sql` writes its rows to.
+    async fn create_bench_rows(&self) -> Result<(), CliError> {
+        const DDL: &str = "CREATE TABLE IF NOT EXISTS idem_bench_rows (i BIGINT PRIMARY KEY)";
+        let created = if let Some(pool) = self.store.sqlite_pool() {
+            sqlx::query(DDL).execute(pool).await.map(|_| ())
+        } else if let Some(pool) = self.store.postgres_pool() {
+            sqlx::query(DDL).execute(pool).await.map(|_| ())
+        } else {
+            Ok(())
+        };
+        created
+            .map_err(|e| CliError::Runtime(anyhow::anyhow!("cannot create idem_bench_rows: {e}")))
+    }
+
     async fn version(&self) -> String {
         let version = if let Some(pool) = self.store.sqlite_pool() {
             sqlx::query_scalar::<_, String>("SELECT 'SQLite ' || sqlite_version()")
@@ -433,7 +451,7 @@ pub async fn run(
     let registry = super::plugins::registry(config, plugins_dir)?;
     let plugin = registry.get(args.plugin.name()).ok_or_else(|| {
         CliError::Usage(format!(
-            "the benchmark plugin {} is not in {}: build it with `cargo build --release --target wasm32-wasip2 --manifest-path plugins/Cargo.toml -p noop -p bench_child -p bench_http` and pass --plugins-dir",
+            "the benchmark plugin {} is not in {}: build it with `cargo build --release --target wasm32-wasip2 --manifest-path plugins/Cargo.toml -p noop -p bench_child -p bench_http -p bench_sql` and pass --plugins-dir",
             args.plugin.name(),
             plugins_dir.display()
         ))
@@ -492,6 +510,9 @@ async fn measure(
         settings.prefetch = prefetch;
     }
     let provider = ProviderSetup::start(args.plugin, args.provider_url.as_deref()).await?;
+    if args.plugin == BenchPlugin::Sql {
+        scratch.create_bench_rows().await?;
+    }
     let mut report = Report {
         idem: env!("CARGO_PKG_VERSION"),
         backend: scratch.store.backend().to_string(),
@@ -558,7 +579,7 @@ async fn measure(
                 let worker = Worker::new(
                     store.clone(),
                     registry.clone(),
-                    providers(provider.as_ref())?,
+                    providers(args.plugin, provider.as_ref())?,
                     drain,
                 );
                 let stop = CancellationToken::new();
@@ -596,7 +617,7 @@ async fn measure(
                 report.latency = closed_loop(
                     store.clone(),
                     registry.clone(),
-                    providers(provider.as_ref())?,
+                    providers(args.plugin, provider.as_ref())?,
                     settings.clone(),
                     args,
                 )
@@ -607,7 +628,7 @@ async fn measure(
             let (latency, rate) = continuous(
                 store.clone(),
                 registry.clone(),
-                providers(provider.as_ref())?,
+                providers(args.plugin, provider.as_ref())?,
                 settings.clone(),
                 args,
             )
@@ -688,22 +709,39 @@ impl ProviderSetup {
     }
 }
 
-/// The `bench_http` provider pointing at the local server (none otherwise).
-fn providers(setup: Option<&ProviderSetup>) -> Result<Providers, CliError> {
-    let Some(setup) = setup else {
+/// The benchmark plugin's provider: `bench_http` pointing at the provider
+/// server, or `bench_db` on the store's own database (none otherwise).
+fn providers(plugin: BenchPlugin, setup: Option<&ProviderSetup>) -> Result<Providers, CliError> {
+    #[derive(serde::Deserialize)]
+    struct Tables {
+        providers: BTreeMap<String, ProviderConfig>,
+    }
+    let Some(text) = providers_toml(plugin, setup) else {
         return Ok(Providers::default());
     };
-    let config: ProviderConfig =
-        toml::from_str(&provider_toml(&setup.base_url)).map_err(|e| CliError::Runtime(e.into()))?;
-    Providers::from_config(&BTreeMap::from([("bench_http".to_string(), config)]))
-        .map_err(|e| CliError::Runtime(e.into()))
+    let tables: Tables = toml::from_str(&text).map_err(|e| CliError::Runtime(e.into()))?;
+    Providers::from_config(&tables.providers).map_err(|e| CliError::Runtime(e.into()))
 }
 
-fn provider_toml(base_url: &str) -> String {
-    format!(
-        "kind = \"http\"\nbase_url = \"{base_url}\"\ntimeout = \"10s\"\nconcurrency = 256\nbreaker_failures = 1000000\n"
-    )
+/// The `[providers.*]` table of [`providers`], as an `idem.toml` holds it.
+fn providers_toml(plugin: BenchPlugin, setup: Option<&ProviderSetup>) -> Option<String> {
+    match (plugin, setup) {
+        (BenchPlugin::Sql, _) => Some(format!(
+            "[providers.bench_db]\nkind = \"sql\"\ntimeout = \"10s\"\nconcurrency = 256\n\
+             statements.insert_row = \"{BENCH_ROW_INSERT}\"\n"
+        )),
+        (_, Some(setup)) => Some(format!(
+            "[providers.bench_http]\nkind = \"http\"\nbase_url = \"{}\"\ntimeout = \"10s\"\n\
+             concurrency = 256\nbreaker_failures = 1000000\n",
+            setup.base_url
+        )),
+        (_, None) => None,
+    }
 }
+
+/// `bench_sql`'s statement: one row per job, a redelivery inserts nothing.
+const BENCH_ROW_INSERT: &str =
+    "INSERT INTO idem_bench_rows (i) VALUES ($1) ON CONFLICT (i) DO NOTHING RETURNING i";
 
 /// Starts a worker that reports each job's start, for latency runs.
 fn observed_worker(
@@ -830,16 +868,12 @@ async fn drain_in_processes(
     provider: Option<&ProviderSetup>,
 ) -> Result<(), CliError> {
     let exe = std::env::current_exe().map_err(|e| CliError::Runtime(e.into()))?;
-    let config = match provider {
-        Some(setup) => {
+    let config = match providers_toml(args.plugin, provider) {
+        Some(text) => {
             let dir = std::env::temp_dir().join(format!("idem-bench-{}", std::process::id()));
             std::fs::create_dir_all(&dir).map_err(|e| CliError::Runtime(e.into()))?;
             let path = dir.join("idem.toml");
-            std::fs::write(
-                &path,
-                format!("[providers.bench_http]\n{}", provider_toml(&setup.base_url)),
-            )
-            .map_err(|e| CliError::Runtime(e.into()))?;
+            std::fs::write(&path, text).map_err(|e| CliError::Runtime(e.into()))?;
             Some(path)
         }
         None => None,

@@ -110,6 +110,11 @@ pub enum PlanOutcome {
     /// The job's lease was lost (a key claim found another attempt holding
     /// the job): nothing was claimed, nothing is recorded.
     LeaseLost,
+    /// Every effect succeeded, and the last one, a statement on the store's
+    /// own database, committed the job's success ([`Riders::finish_with`])
+    /// in its transaction: this is that write's answer, nothing is left to
+    /// record.
+    Recorded(Written),
     /// This effect was done before (internal: the plan goes on).
     Skipped,
     /// An older release claimed this request under this key (internal:
@@ -135,6 +140,10 @@ pub struct Riders {
     /// An effect success must be committed by then (its key's lease
     /// ends; after it the write is fenced out anyway).
     deadline: Option<tokio::time::Instant>,
+    /// The job's success, for a last effect that is a statement on the
+    /// store's own database to commit with it; never written otherwise
+    /// (the outcome is then written as usual).
+    finish: Option<Write>,
 }
 
 impl Riders {
@@ -148,6 +157,26 @@ impl Riders {
                 change: JobChange::SavePlan { plan, plugin_hash },
             }],
             deadline: None,
+            finish: None,
+        }
+    }
+
+    /// Offers the job's success (`outcome::success_after_plan`) to the
+    /// plan's last effect: a statement on the store's own database commits
+    /// it in its own transaction, so the job is done in that one commit
+    /// ([`PlanOutcome::Recorded`]). Any other last effect leaves it unused.
+    ///
+    /// `riders.finish_with(idem::queue::outcome::success_after_plan(&job));`
+    pub fn finish_with(&mut self, success: Write) {
+        self.finish = Some(success);
+    }
+
+    /// The writes to commit now, leaving the job's success offered.
+    fn take_writes(&mut self) -> Riders {
+        Riders {
+            writes: std::mem::take(&mut self.writes),
+            deadline: self.deadline.take(),
+            finish: None,
         }
     }
 
@@ -338,9 +367,14 @@ impl Executor {
         abort: &CancellationToken,
         riders: &mut Riders,
     ) -> PlanOutcome {
-        for effect in plan {
+        // Only the last effect may commit the job's success.
+        let mut finish = riders.finish.take();
+        for (index, effect) in plan.iter().enumerate() {
             if abort.is_cancelled() {
                 return PlanOutcome::Aborted;
+            }
+            if index + 1 == plan.len() {
+                riders.finish = finish.take();
             }
             let span = tracing::info_span!("effect", key = %effect.idempotency_key, provider = %effect.provider);
             match self
@@ -529,7 +563,7 @@ impl Executor {
                 let entered = match waits_or_open {
                     Some(open) => open,
                     None => {
-                        self.write_riders(std::mem::take(riders))
+                        self.write_riders(riders.take_writes())
                             .await
                             .map_err(PlanOutcome::Store)?;
                         provider.guard.enter().await
@@ -607,10 +641,23 @@ impl Executor {
         }
         match in_store {
             Some(call) => {
-                self.run_in_store(effect, &fence, call, permit).await?;
+                // Nothing else rides here (the claim took the riders): the
+                // job's success, if offered, can commit with the statement.
+                let finish = if riders.is_empty() {
+                    riders.finish.take()
+                } else {
+                    None
+                };
+                let finished = self
+                    .run_in_store(effect, &fence, call, permit, finish)
+                    .await?;
                 failpoint::hit(Failpoint::AfterKeyMarked)
                     .await
-                    .map_err(PlanOutcome::Store)
+                    .map_err(PlanOutcome::Store)?;
+                match finished {
+                    Some(written) => Err(PlanOutcome::Recorded(written)),
+                    None => Ok(()),
+                }
             }
             // The success rides with the next write: `AfterKeyMarked` is
             // passed once that commits (see `claim_with_riders`).
@@ -963,7 +1010,7 @@ impl Executor {
             .map_err(PlanOutcome::Store)?;
         let claim = answers.pop();
         let stored_plan = riders.has_plan();
-        let rode = std::mem::take(riders);
+        let rode = riders.take_writes();
         self.settle_riders(rode.writes(), &answers);
         if rode
             .writes()
@@ -1204,17 +1251,20 @@ impl Executor {
 
     /// Runs a statement on the store's own database in the transaction that
     /// marks its effect succeeded: there is no moment at which one is
-    /// committed and the other is not.
+    /// committed and the other is not. `finish`, the job's success, commits
+    /// in the same transaction; its answer is returned when it did.
     async fn run_in_store(
         &self,
         effect: &Effect,
         fence: &EffectFence,
         call: StatementCall,
         permit: Permit<'_>,
-    ) -> Result<(), PlanOutcome> {
+        finish: Option<Write>,
+    ) -> Result<Option<Written>, PlanOutcome> {
         let params = StatementParams {
             fence: fence.clone(),
             call,
+            finish,
         };
         let started = Instant::now();
         let outcome =
@@ -1236,21 +1286,22 @@ impl Executor {
         };
         metrics::provider_call(&effect.provider, took, refused);
         match outcome {
-            StatementOutcome::Applied { result_ref } => {
+            StatementOutcome::Applied { result_ref, finish } => {
                 permit.record(Ok(()));
                 tracing::info!(
                     result_ref = result_ref.as_deref().unwrap_or(""),
                     ?took,
+                    job_finished = finish.is_some(),
                     "statement committed with its ledger row"
                 );
                 WorkerStats::bump(&self.stats.effects_executed);
                 metrics::effect(&effect.provider, "executed");
-                Ok(())
+                Ok(finish)
             }
             StatementOutcome::FencedOut => {
                 permit.record(Ok(()));
                 self.fenced_out("statement");
-                Ok(())
+                Ok(None)
             }
             StatementOutcome::Refused(failure) => {
                 permit.record(Err(failure.class));

@@ -18,6 +18,10 @@ pub enum Attempt {
     /// Plan executed (or, with [`Version::children`], to be carried out
     /// by the write that records the success).
     Succeeded,
+    /// Plan executed, and its last effect (a statement on the store's own
+    /// database) committed [`success_after_plan`] in its transaction: this
+    /// is that write's answer, nothing is left to write.
+    SucceededAndRecorded(Written),
     /// A classified failure.
     Failed(Failure),
     /// Try again later without using an attempt.
@@ -37,7 +41,7 @@ impl Attempt {
     /// The name in metrics.
     pub fn label(&self) -> &'static str {
         match self {
-            Attempt::Succeeded => "succeeded",
+            Attempt::Succeeded | Attempt::SucceededAndRecorded(_) => "succeeded",
             Attempt::Failed(_) => "failed",
             Attempt::Deferred { .. } => "deferred",
             Attempt::Interrupted => "interrupted",
@@ -121,7 +125,8 @@ pub fn decide(
         children,
     } = version;
     let (change, recorded) = match attempt {
-        Attempt::LeaseLost => return None,
+        // Written already, by the last effect's commit (see `record`).
+        Attempt::LeaseLost | Attempt::SucceededAndRecorded(_) => return None,
         Attempt::Succeeded => {
             // Counted once the write answers: a plan of child jobs whose
             // keys were used before is not done yet.
@@ -236,6 +241,27 @@ pub fn decide(
     ))
 }
 
+/// The write that records `job`'s success once its stored plan's effects
+/// are carried out (the plan and plugin version were stored with it): what
+/// [`decide`] writes for [`Attempt::Succeeded`] then, offered to a last
+/// statement on the store's own database to commit in its transaction.
+///
+/// `riders.finish_with(success_after_plan(&job));`
+pub fn success_after_plan(job: &Job) -> Write {
+    Write::Job {
+        fence: job.fence(),
+        change: JobChange::Succeed {
+            plugin_hash: None,
+            plan: None,
+        },
+    }
+}
+
+/// Counts a success the last effect's commit wrote ([`Attempt::SucceededAndRecorded`]).
+pub fn recorded_with_last_effect(stats: &WorkerStats, job: &Job, written: Written) -> Recorded {
+    settle(stats, job, Recorded::Succeeded, written)
+}
+
 /// Counts a successful attempt.
 fn succeeded(job: &Job) {
     metrics::job_attempts(&job.plugin, job.attempt);
@@ -274,6 +300,9 @@ pub async fn record(
     policy: Policy,
     version: Version,
 ) -> Result<Recorded, StoreError> {
+    if let Attempt::SucceededAndRecorded(written) = attempt {
+        return Ok(recorded_with_last_effect(stats, job, written));
+    }
     let Some((write, recorded)) = decide(job, attempt, policy, version) else {
         return Ok(Recorded::Nothing);
     };

@@ -703,7 +703,13 @@ impl Worker {
             (Some(_), Some(plan), Some(hash)) => Some((plan.clone(), hash.clone())),
             _ => None,
         };
-        let write = outcome::decide(&job, attempt, policy, version);
+        let write = match attempt {
+            Attempt::SucceededAndRecorded(written) => {
+                outcome::recorded_with_last_effect(&self.stats, &job, written);
+                None
+            }
+            attempt => outcome::decide(&job, attempt, policy, version),
+        };
         Some(Outcome {
             job,
             write,
@@ -926,6 +932,9 @@ impl Worker {
                 plan
             }
         };
+        // A last statement on the store's own database commits the job's
+        // success with it: the job is done in that one commit.
+        riders.finish_with(outcome::success_after_plan(job));
         let attempt = attempt_of(self.executor.execute(job, &plan, abort, riders).await)?;
         Ok((attempt, Version::default()))
     }
@@ -1034,6 +1043,7 @@ fn job_span(job: &Job) -> tracing::Span {
 fn attempt_of(outcome: PlanOutcome) -> Result<Attempt, StoreError> {
     Ok(match outcome {
         PlanOutcome::Done | PlanOutcome::Skipped => Attempt::Succeeded,
+        PlanOutcome::Recorded(written) => Attempt::SucceededAndRecorded(written),
         PlanOutcome::Failed(failure) => Attempt::Failed(failure),
         PlanOutcome::Deferred { delay, reason } => Attempt::Deferred { delay, reason },
         PlanOutcome::Store(error) => return Err(error),

@@ -586,6 +586,12 @@ pub struct StatementParams {
     pub fence: EffectFence,
     /// The statement and its values.
     pub call: super::StatementCall,
+    /// The job's success, committed in the statement's transaction when
+    /// the statement is the plan's last effect: a [`Write::Job`] with
+    /// [`JobChange::Succeed`], as `queue::outcome::decide` makes it
+    /// (anything else is refused). `None`: the job has more to do, or its
+    /// outcome is written apart.
+    pub finish: Option<Write>,
 }
 
 /// Params of [`Store::effect_set_failed`](super::Store::effect_set_failed).

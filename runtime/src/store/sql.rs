@@ -892,6 +892,22 @@ impl Store for SqlStore {
         params: StatementParams,
     ) -> Result<StatementOutcome> {
         let key = params.fence.key.clone();
+        // The job's success, checked as any batch's write is, before the
+        // transaction opens.
+        let finish = match params.finish {
+            None => None,
+            Some(
+                write @ Write::Job {
+                    change: JobChange::Succeed { .. },
+                    ..
+                },
+            ) => Some(BatchPlan::new(vec![write])?.jobs_of(JobKind::Succeed)),
+            Some(other) => {
+                return Err(StoreError::Invalid(format!(
+                    "only a job's success commits with a statement, not {other:?}"
+                )));
+            }
+        };
         let item = EffectItem {
             index: 0,
             fence: params.fence,
@@ -934,9 +950,26 @@ impl Store for SqlStore {
                                 .execute(&mut *tx)
                                 .await?;
                         }
+                        let finished = match &finish {
+                            Some(job) => {
+                                let applied: Vec<i64> = sqlx::query_scalar(&self.q.job_succeed)
+                                    .bind_rows(job_row_set(JobKind::Succeed, job)?)
+                                    .fetch_all(&mut *tx)
+                                    .await?;
+                                Some(Written::Job(if applied.is_empty() {
+                                    Fence::FencedOut
+                                } else {
+                                    Fence::Applied
+                                }))
+                            }
+                            None => None,
+                        };
                         crate::failpoint::hit(crate::failpoint::Failpoint::AfterStatement).await?;
                         tx.commit().await?;
-                        StatementOutcome::Applied { result_ref }
+                        StatementOutcome::Applied {
+                            result_ref,
+                            finish: finished,
+                        }
                     }
                 }
             }

@@ -50,11 +50,17 @@ impl StatementCall {
 /// What running a statement for a claimed effect came to.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StatementOutcome {
-    /// The statement ran and the effect is marked succeeded, in one commit.
-    /// `result_ref` is the first column of the first returned row, if any.
+    /// The statement ran and the effect is marked succeeded, in one commit
+    /// (with the job's success, when one was given).
     Applied {
-        /// The reference read from `RETURNING`.
+        /// The reference read from `RETURNING`: the first column of the
+        /// first returned row, if any.
         result_ref: Option<String>,
+        /// The answer to [`super::StatementParams::finish`], written in the
+        /// same commit (`None` when none was given). A job fenced out there
+        /// (its lease was lost) leaves the statement and its ledger row
+        /// committed: the next attempt finds the key done.
+        finish: Option<super::Written>,
     },
     /// The effect's claim was taken over: nothing ran, nothing changed.
     FencedOut,

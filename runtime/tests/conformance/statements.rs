@@ -3,8 +3,8 @@
 
 use super::*;
 use idem::store::{
-    BackendKind, EffectClaim, EffectFence, EffectStatus, StatementCall, StatementOutcome,
-    StatementParams,
+    BackendKind, EffectClaim, EffectFence, EffectStatus, Fence, Job, JobChange, JobFence,
+    StatementCall, StatementOutcome, StatementParams, Write, Written,
 };
 use idem_sdk::SqlValue;
 
@@ -27,6 +27,7 @@ async fn run(
         .effect_succeed_with_statement(StatementParams {
             fence,
             call: StatementCall::new("s", sql, params),
+            finish: None,
         })
         .await
         .unwrap()
@@ -41,7 +42,10 @@ async fn applied(
 ) -> Option<String> {
     let fence = fence(store, key, "setup").await;
     match run(store, fence, sql, params).await {
-        StatementOutcome::Applied { result_ref } => result_ref,
+        StatementOutcome::Applied {
+            result_ref,
+            finish: None,
+        } => result_ref,
         other => panic!("{sql}: {other:?}"),
     }
 }
@@ -86,6 +90,7 @@ pub async fn statement_commits_with_its_ledger_row(store: Arc<dyn Store>) {
     .await;
     let StatementOutcome::Applied {
         result_ref: Some(id),
+        finish: None,
     } = outcome
     else {
         panic!("expected an invoice id, got {outcome:?}");
@@ -291,6 +296,7 @@ pub async fn statement_past_its_timeout_is_rolled_back_and_retryable(store: Arc<
                 timeout: Duration::from_millis(300),
                 ..StatementCall::new("slow", slow, vec!["o-9".into()])
             },
+            finish: None,
         })
         .await
         .unwrap();
@@ -302,5 +308,153 @@ pub async fn statement_past_its_timeout_is_rolled_back_and_retryable(store: Arc<
     let row = store.effect_get("order:9:invoice").await.unwrap().unwrap();
     assert_eq!(row.status, EffectStatus::Processing, "rolled back");
     // The store works on after the abandoned statement.
+    assert_eq!(count(&store, "read").await, "0");
+}
+
+/// A job holding a fresh key, and the key's claim.
+async fn job_with_key(store: &Arc<dyn Store>, key: &str) -> (Job, EffectFence) {
+    let job = hold(store, "w").await;
+    let fence = match store.effect_claim(claim_by(&job, key, LONG)).await.unwrap() {
+        EffectClaim::Claimed { fence } => fence,
+        other => panic!("expected a claim, got {other:?}"),
+    };
+    (job, fence)
+}
+
+fn success(fence: JobFence) -> Write {
+    Write::Job {
+        fence,
+        change: JobChange::Succeed {
+            plugin_hash: None,
+            plan: None,
+        },
+    }
+}
+
+async fn run_finishing(
+    store: &Arc<dyn Store>,
+    fence: EffectFence,
+    params: Vec<SqlValue>,
+    finish: Write,
+) -> idem::store::Result<StatementOutcome> {
+    store
+        .effect_succeed_with_statement(StatementParams {
+            fence,
+            call: StatementCall::new("s", CREATE, params),
+            finish: Some(finish),
+        })
+        .await
+}
+
+/// The last effect of a plan: statement, ledger row and the job's success
+/// in one commit.
+pub async fn statement_commits_the_jobs_success_with_it(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    let (job, fence) = job_with_key(&store, "order:7:invoice").await;
+    let outcome = run_finishing(
+        &store,
+        fence,
+        vec!["o-7".into(), 700.into(), true.into()],
+        success(job.fence()),
+    )
+    .await
+    .unwrap();
+    let StatementOutcome::Applied {
+        result_ref: Some(_),
+        finish: Some(Written::Job(Fence::Applied)),
+    } = outcome
+    else {
+        panic!("expected the statement and the job's success, got {outcome:?}");
+    };
+    assert_eq!(
+        get(&store, job.id).await.state,
+        idem::store::JobState::Succeeded
+    );
+    let row = store.effect_get("order:7:invoice").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Succeeded);
+    assert_eq!(count(&store, "read").await, "1");
+}
+
+/// A job taken over meanwhile is not marked by the stale attempt, but the
+/// statement its claim still covered commits with its ledger row: the next
+/// attempt finds the key done.
+pub async fn statement_commits_without_a_job_success_fenced_out(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    let (job, fence) = job_with_key(&store, "order:8:invoice").await;
+    let stale = JobFence {
+        attempt: job.attempt + 1,
+        ..job.fence()
+    };
+    let outcome = run_finishing(
+        &store,
+        fence,
+        vec!["o-8".into(), 800.into(), true.into()],
+        success(stale),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(
+            outcome,
+            StatementOutcome::Applied {
+                finish: Some(Written::Job(Fence::FencedOut)),
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        get(&store, job.id).await.state,
+        idem::store::JobState::Running
+    );
+    let row = store.effect_get("order:8:invoice").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Succeeded);
+    assert_eq!(count(&store, "read").await, "1");
+}
+
+/// A refused statement rolls the job's success back with the ledger mark;
+/// a write other than a job's success is refused before anything runs.
+pub async fn statement_refused_leaves_the_job_running(store: Arc<dyn Store>) {
+    invoices(&store).await;
+    let (job, fence) = job_with_key(&store, "order:9:invoice").await;
+    // amount_cents is NOT NULL: the database refuses the row.
+    let outcome = run_finishing(
+        &store,
+        fence.clone(),
+        vec!["o-9".into(), SqlValue::Null, true.into()],
+        success(job.fence()),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(outcome, StatementOutcome::Refused(_)),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        get(&store, job.id).await.state,
+        idem::store::JobState::Running
+    );
+    let row = store.effect_get("order:9:invoice").await.unwrap().unwrap();
+    assert_eq!(row.status, EffectStatus::Processing);
+
+    let release = Write::Job {
+        fence: job.fence(),
+        change: JobChange::Release,
+    };
+    let refused = run_finishing(
+        &store,
+        fence,
+        vec!["o-9".into(), 900.into(), true.into()],
+        release,
+    )
+    .await;
+    assert!(
+        matches!(refused, Err(idem::store::StoreError::Invalid(_))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        get(&store, job.id).await.state,
+        idem::store::JobState::Running
+    );
     assert_eq!(count(&store, "read").await, "0");
 }
