@@ -72,7 +72,6 @@ async fn wait_for(client: &fantoccini::Client, id: &str) -> fantoccini::elements
 /// A headless Chromium session through a chromedriver of its own.
 async fn browser() -> (Chromedriver, fantoccini::Client) {
     let (driver, driver_url) = chromedriver().await;
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let mut caps = serde_json::Map::new();
     caps.insert(
         "goog:chromeOptions".into(),
@@ -81,8 +80,9 @@ async fn browser() -> (Chromedriver, fantoccini::Client) {
             "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"]
         }),
     );
-    let client = ClientBuilder::rustls()
-        .expect("tls")
+    // chromedriver listens on loopback: plain HTTP, no TLS connector.
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    let client = ClientBuilder::new(connector)
         .capabilities(caps)
         .connect(&driver_url)
         .await
