@@ -75,6 +75,12 @@ pub(crate) struct Queries {
     pub job_heartbeat: String,
     pub job_save_plan: String,
     pub job_succeed: String,
+    /// As `job_succeed`, but a job row another transaction has locked is
+    /// left alone (no row returned) instead of waited for: the statement
+    /// of a `sql` effect holds its ledger row while it marks its job, and
+    /// a group-commit batch locks jobs before ledger rows, so waiting could
+    /// close a deadlock cycle (PostgreSQL; SQLite has one writer).
+    pub job_succeed_unless_locked: String,
     pub job_retry: String,
     pub job_dead: String,
     pub job_release: String,
@@ -302,6 +308,18 @@ impl Queries {
                          THEN t.hash ELSE jobs.plan_hash END, \
                      updated_at = {{now}} \
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                rows = job_rows(&[("hash", Text), ("plan", Text)]),
+            )),
+            job_succeed_unless_locked: x(&format!(
+                "UPDATE jobs SET state = 'succeeded', finished_at = {{now}}, lease_owner = NULL, \
+                     lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
+                     plan = COALESCE(jobs.plan, t.plan), \
+                     plan_hash = CASE WHEN jobs.plan IS NULL AND t.plan IS NOT NULL \
+                         THEN t.hash ELSE jobs.plan_hash END, \
+                     updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} \
+                     AND jobs.id IN (SELECT free.id FROM jobs free WHERE free.id = t.id {{skip_locked}}) \
+                 RETURNING jobs.id",
                 rows = job_rows(&[("hash", Text), ("plan", Text)]),
             )),
             job_retry: x(&format!(

@@ -950,17 +950,17 @@ impl Store for SqlStore {
                                 .execute(&mut *tx)
                                 .await?;
                         }
+                        // Not applied (fenced out, or its row locked by
+                        // another writer): the caller writes the success
+                        // the usual way, which tells which.
                         let finished = match &finish {
                             Some(job) => {
-                                let applied: Vec<i64> = sqlx::query_scalar(&self.q.job_succeed)
-                                    .bind_rows(job_row_set(JobKind::Succeed, job)?)
-                                    .fetch_all(&mut *tx)
-                                    .await?;
-                                Some(Written::Job(if applied.is_empty() {
-                                    Fence::FencedOut
-                                } else {
-                                    Fence::Applied
-                                }))
+                                let applied: Vec<i64> =
+                                    sqlx::query_scalar(&self.q.job_succeed_unless_locked)
+                                        .bind_rows(job_row_set(JobKind::Succeed, job)?)
+                                        .fetch_all(&mut *tx)
+                                        .await?;
+                                (!applied.is_empty()).then_some(Written::Job(Fence::Applied))
                             }
                             None => None,
                         };

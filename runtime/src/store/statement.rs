@@ -56,10 +56,12 @@ pub enum StatementOutcome {
         /// The reference read from `RETURNING`: the first column of the
         /// first returned row, if any.
         result_ref: Option<String>,
-        /// The answer to [`super::StatementParams::finish`], written in the
-        /// same commit (`None` when none was given). A job fenced out there
-        /// (its lease was lost) leaves the statement and its ledger row
-        /// committed: the next attempt finds the key done.
+        /// `Some(Written::Job(Fence::Applied))` when the job's success
+        /// ([`super::StatementParams::finish`]) committed with it; `None`
+        /// when none was given or it was not written (the job fenced out,
+        /// or its row locked by another writer, never waited for): the
+        /// caller then writes the success the usual way, which answers
+        /// which. The statement and its ledger row commit either way.
         finish: Option<super::Written>,
     },
     /// The effect's claim was taken over: nothing ran, nothing changed.

@@ -156,6 +156,7 @@ macro_rules! conformance_suite {
             statements::statement_commits_the_jobs_success_with_it,
             statements::statement_commits_without_a_job_success_fenced_out,
             statements::statement_refused_leaves_the_job_running,
+            statements::statement_finishing_a_job_does_not_deadlock_with_a_heartbeat,
             model::job_state_machine_follows_the_model,
             sessions::session_lives_until_its_expiry_by_the_store_clock,
             sessions::session_revoked_is_not_live,

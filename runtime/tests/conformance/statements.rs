@@ -375,9 +375,10 @@ pub async fn statement_commits_the_jobs_success_with_it(store: Arc<dyn Store>) {
     assert_eq!(count(&store, "read").await, "1");
 }
 
-/// A job taken over meanwhile is not marked by the stale attempt, but the
-/// statement its claim still covered commits with its ledger row: the next
-/// attempt finds the key done.
+/// A job taken over meanwhile is not marked by the stale attempt (no
+/// answer: the caller writes the success the usual way, which is fenced
+/// out), but the statement its claim still covered commits with its ledger
+/// row: the next attempt finds the key done.
 pub async fn statement_commits_without_a_job_success_fenced_out(store: Arc<dyn Store>) {
     invoices(&store).await;
     let (job, fence) = job_with_key(&store, "order:8:invoice").await;
@@ -397,8 +398,8 @@ pub async fn statement_commits_without_a_job_success_fenced_out(store: Arc<dyn S
         matches!(
             outcome,
             StatementOutcome::Applied {
-                finish: Some(Written::Job(Fence::FencedOut)),
-                ..
+                result_ref: Some(_),
+                finish: None,
             }
         ),
         "{outcome:?}"
@@ -457,4 +458,79 @@ pub async fn statement_refused_leaves_the_job_running(store: Arc<dyn Store>) {
         idem::store::JobState::Running
     );
     assert_eq!(count(&store, "read").await, "0");
+}
+
+/// PostgreSQL: a group-commit batch locks job rows (a heartbeat) before
+/// ledger rows (a claim of the same key by another job), while the
+/// statement holds its ledger row when it marks its job. The statement
+/// never waits for the job's row: it commits without the job's success
+/// (left to the usual write), and neither side deadlocks.
+pub async fn statement_finishing_a_job_does_not_deadlock_with_a_heartbeat(store: Arc<dyn Store>) {
+    if store.backend() != BackendKind::Postgres {
+        return;
+    }
+    invoices(&store).await;
+    let key = "order:10:invoice";
+    let (a, fence) = job_with_key(&store, key).await;
+    let b = hold(&store, "w2").await;
+    // Holds the ledger row for a second before it marks the job.
+    let slow = "INSERT INTO invoices (order_id, amount_cents, paid, note) \
+                VALUES ($1, $2, $3, (SELECT 'slow' FROM pg_sleep(1))) RETURNING id";
+    let statement = {
+        let store = store.clone();
+        let finish = success(a.fence());
+        tokio::spawn(async move {
+            store
+                .effect_succeed_with_statement(StatementParams {
+                    fence,
+                    call: StatementCall::new(
+                        "slow",
+                        slow,
+                        vec!["o-10".into(), 1000.into(), true.into()],
+                    ),
+                    finish: Some(finish),
+                })
+                .await
+        })
+    };
+    // Ordering only: the statement is inside its pg_sleep by then.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let batch = store
+        .write_batch(vec![
+            Write::Job {
+                fence: a.fence(),
+                change: JobChange::Heartbeat {
+                    lease: LONG,
+                    started: true,
+                },
+            },
+            Write::EffectClaim(claim_by(&b, key, LONG)),
+        ])
+        .await;
+    let statement = statement.await.unwrap();
+    let (Ok(batch), Ok(statement)) = (&batch, &statement) else {
+        panic!("a deadlock or an error: batch {batch:?}, statement {statement:?}");
+    };
+    assert!(
+        matches!(
+            statement,
+            StatementOutcome::Applied {
+                result_ref: Some(_),
+                finish: None,
+            }
+        ),
+        "the job's row was locked by the batch: not waited for, {statement:?}"
+    );
+    assert_eq!(batch[0], Written::Job(Fence::Applied), "{batch:?}");
+    assert!(
+        matches!(
+            batch[1],
+            Written::EffectClaim(EffectClaim::AlreadySucceeded { .. })
+        ),
+        "{batch:?}"
+    );
+    assert_eq!(
+        get(&store, a.id).await.state,
+        idem::store::JobState::Running
+    );
 }
