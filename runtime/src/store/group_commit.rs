@@ -712,6 +712,22 @@ impl Store for GroupCommit {
         self.inner.clock_advance(by).await
     }
 
+    async fn clock_now(&self) -> Result<i64> {
+        self.inner.clock_now().await
+    }
+
+    async fn schedule_start(&self, name: &str, at_ms: i64) -> Result<bool> {
+        self.inner.schedule_start(name, at_ms).await
+    }
+
+    async fn schedule_tick(&self, tick: super::ScheduleTick) -> Result<super::Ticked> {
+        self.inner.schedule_tick(tick).await
+    }
+
+    async fn schedule_list(&self) -> Result<Vec<super::ScheduleState>> {
+        self.inner.schedule_list().await
+    }
+
     async fn session_create(&self, session: super::NewSession) -> Result<super::Session> {
         self.inner.session_create(session).await
     }

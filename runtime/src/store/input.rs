@@ -90,6 +90,13 @@ pub(crate) fn check_digest(what: &str, digest: &str) -> Result<()> {
     }
 }
 
+/// Checks a schedule's name: the rule of queue and plugin names, so the key
+/// `schedule:NAME:TICK` stays printable and bounded.
+pub(crate) fn check_schedule_name(name: &str) -> Result<()> {
+    crate::boundary::name(name)
+        .map_err(|r| StoreError::Invalid(format!("schedule name: {} {}", r.shown, r.why)))
+}
+
 /// Checks a session before it is stored.
 pub(crate) fn check_session(session: &NewSession) -> Result<()> {
     check_digest("a session's id digest", &session.id_digest)?;

@@ -36,6 +36,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     7 => "0007_sessions.sql",
     8 => "0008_redact_error_urls.sql",
     9 => "0009_effect_tries.sql",
+    10 => "0010_schedules.sql",
 );
 
 /// The PostgreSQL schema.
@@ -50,6 +51,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     8 => "0008_sessions.sql",
     9 => "0009_redact_error_urls.sql",
     10 => "0010_effect_tries.sql",
+    11 => "0011_schedules.sql",
 );
 
 impl Embedded {

@@ -214,6 +214,38 @@ pub trait Store: Send + Sync + 'static {
     /// [`Clock::Adjustable`].
     async fn clock_advance(&self, by: Duration) -> Result<()>;
 
+    /// The store's clock now, in ms since the epoch: what every
+    /// time-dependent statement reads, moved by [`Store::clock_advance`]
+    /// under [`Clock::Adjustable`]. The scheduler asks it which ticks are due.
+    ///
+    /// `let now_ms = store.clock_now().await?;`
+    async fn clock_now(&self) -> Result<i64>;
+
+    /// Records that a schedule is first seen at `at_ms` (no earlier tick
+    /// will be enqueued: a new schedule does not backfill); `false` when it
+    /// was already known, which changes nothing.
+    ///
+    /// `store.schedule_start("nightly", now_ms).await?;`
+    async fn schedule_start(&self, name: &str, at_ms: i64) -> Result<bool>;
+
+    /// Records one tick of a schedule, in **one** transaction: moves the
+    /// schedule's last tick to `tick.tick_ms` only if that is newer (a
+    /// schedule not known yet is inserted) and, only for the caller that
+    /// moved it, enqueues `tick.job` under the key
+    /// [`schedule_key`]`(name, tick)` with the checks of any enqueue, and
+    /// records its id. A tick at or before the last one answers
+    /// [`Ticked::Stale`] and writes nothing, so many nodes seeing the same
+    /// tick enqueue one job, and pruning old jobs never brings a tick back.
+    ///
+    /// `let ticked = store.schedule_tick(ScheduleTick { name, tick_ms, job: Some(job) }).await?;`
+    async fn schedule_tick(&self, tick: ScheduleTick) -> Result<Ticked>;
+
+    /// Every schedule the store knows (configured now or before), by name,
+    /// with its last job's state.
+    ///
+    /// `let schedules = store.schedule_list().await?;`
+    async fn schedule_list(&self) -> Result<Vec<ScheduleState>>;
+
     /// Stores a dashboard session; it expires `ttl` after now by the
     /// store's clock. Refused ([`StoreError::Invalid`]) unless both digests
     /// are 64 lowercase hex digits and `ttl` is at least a second.

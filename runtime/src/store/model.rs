@@ -850,3 +850,71 @@ pub enum Written {
     /// A [`JobChange::SucceedWithChildren`].
     Children(ChildrenWritten),
 }
+
+/// The idempotency key of a schedule's tick: `schedule:NAME:TICK`, the tick
+/// as an RFC 3339 UTC instant (`2026-12-07T18:00:00Z`).
+///
+/// ```
+/// assert_eq!(
+///     idem::store::schedule_key("nightly", 1_796_666_400_000),
+///     "schedule:nightly:2026-12-07T18:00:00Z"
+/// );
+/// ```
+pub fn schedule_key(name: &str, tick_ms: i64) -> String {
+    format!("schedule:{name}:{}", rfc3339(tick_ms))
+}
+
+/// A time in milliseconds since the epoch as RFC 3339 UTC, fractions only
+/// when there are some (`2026-12-07T18:00:00Z`).
+///
+/// `assert_eq!(idem::store::rfc3339(0), "1970-01-01T00:00:00Z");`
+pub fn rfc3339(ms: i64) -> String {
+    match chrono::DateTime::from_timestamp_millis(ms) {
+        Some(time) => time.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+        None => format!("{ms} ms"),
+    }
+}
+
+/// One tick of a schedule to record ([`super::Store::schedule_tick`]).
+///
+/// `let tick = ScheduleTick { name: "nightly".into(), tick_ms, job: Some(NewJob::new("report", b"{}".to_vec())) };`
+#[derive(Debug, Clone)]
+pub struct ScheduleTick {
+    /// The schedule's name.
+    pub name: String,
+    /// The tick, ms since the epoch (a UTC instant).
+    pub tick_ms: i64,
+    /// The job to enqueue for it (its key is set to
+    /// [`schedule_key`]); `None` passes the tick over without a job (a
+    /// missed tick skipped by policy).
+    pub job: Option<NewJob>,
+}
+
+/// What recording a tick did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ticked {
+    /// This caller moved the schedule to the tick and enqueued its job
+    /// (`inserted: false` if a job already held the tick's key).
+    Enqueued(Enqueued),
+    /// This caller moved the schedule to the tick; no job was asked for.
+    Passed,
+    /// The schedule was at this tick or a later one already (another node
+    /// got there first): nothing was written.
+    Stale,
+}
+
+/// A schedule as the store knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ScheduleState {
+    /// The schedule's name.
+    pub name: String,
+    /// The latest tick covered (enqueued, skipped, or the moment the
+    /// schedule was first seen), ms since the epoch.
+    pub last_tick_ms: i64,
+    /// The job of the latest enqueued tick, if any.
+    pub last_job_id: Option<JobId>,
+    /// That job's state, if it is still stored.
+    pub last_job_state: Option<JobState>,
+    /// When the row last changed (ms, store clock).
+    pub updated_at: i64,
+}

@@ -131,6 +131,11 @@ pub(crate) struct Queries {
     pub effect_get: String,
     pub effect_list: String,
     pub clock_advance: String,
+    pub clock_now: String,
+    pub schedule_start: String,
+    pub schedule_advance: String,
+    pub schedule_set_job: String,
+    pub schedule_list: String,
     pub session_insert: String,
     pub session_live: String,
     pub session_revoke: String,
@@ -735,6 +740,31 @@ impl Queries {
                 "SELECT {effect_cols} FROM effects WHERE job_id = $1 ORDER BY created_at, key",
             ),
             clock_advance: x("UPDATE idem_clock SET offset_ms = offset_ms + $1 WHERE id = 1"),
+            clock_now: x("SELECT {now}"),
+            schedule_start: x(
+                "INSERT INTO schedules (name, last_tick_ms, last_job_id, updated_at) \
+                 VALUES ($1, $2, NULL, {now}) ON CONFLICT (name) DO NOTHING",
+            ),
+            // The one statement two nodes race on: the loser's upsert waits
+            // for the winner's row (its insert or its update), then finds
+            // the tick no longer newer and returns no row. On PostgreSQL's
+            // READ COMMITTED, ON CONFLICT DO UPDATE re-checks its WHERE on
+            // the latest committed row, which is what makes this safe.
+            schedule_advance: x(
+                "INSERT INTO schedules (name, last_tick_ms, last_job_id, updated_at) \
+                 VALUES ($1, $2, NULL, {now}) \
+                 ON CONFLICT (name) DO UPDATE SET last_tick_ms = excluded.last_tick_ms, \
+                     updated_at = excluded.updated_at \
+                 WHERE schedules.last_tick_ms < excluded.last_tick_ms \
+                 RETURNING name",
+            ),
+            schedule_set_job: x(
+                "UPDATE schedules SET last_job_id = $2, updated_at = {now} WHERE name = $1",
+            ),
+            schedule_list: x(
+                "SELECT s.name, s.last_tick_ms, s.last_job_id, s.updated_at, j.state AS last_job_state \
+                 FROM schedules s LEFT JOIN jobs j ON j.id = s.last_job_id ORDER BY s.name",
+            ),
             session_insert: x(&format!(
                 "INSERT INTO sessions (id_digest, token_fingerprint, created_at, expires_at) \
                  VALUES ($1, $2, {{now}}, {{now}} + $3) RETURNING {SESSION_COLS}"

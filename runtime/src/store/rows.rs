@@ -1,8 +1,8 @@
 //! Decoding rows, the same for every backend.
 
 use super::{
-    EffectClaim, EffectRecord, EffectStatus, ErrorRecord, Job, JobId, JobState, Result, Session,
-    StoreError,
+    EffectClaim, EffectRecord, EffectStatus, ErrorRecord, Job, JobId, JobState, Result,
+    ScheduleState, Session, StoreError,
 };
 use crate::failure::Code;
 use sqlx::{ColumnIndex, Decode, Row, Type};
@@ -139,6 +139,25 @@ where
         created_at: get(row, "created_at")?,
         expires_at: get(row, "expires_at")?,
         revoked_at: get(row, "revoked_at")?,
+    })
+}
+
+pub(crate) fn schedule_from_row<'r, R>(row: &'r R) -> Result<ScheduleState>
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    Option<i64>: Decode<'r, R::Database> + Type<R::Database>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    Option<String>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let state: Option<String> = get(row, "last_job_state")?;
+    Ok(ScheduleState {
+        name: get(row, "name")?,
+        last_tick_ms: get(row, "last_tick_ms")?,
+        last_job_id: get::<R, Option<i64>>(row, "last_job_id")?.map(JobId),
+        last_job_state: state.as_deref().map(parse_state).transpose()?,
+        updated_at: get(row, "updated_at")?,
     })
 }
 

@@ -1508,6 +1508,76 @@ impl Store for SqlStore {
         wake(&self.notify);
         Ok(())
     }
+
+    async fn clock_now(&self) -> Result<i64> {
+        with_db!(self, |read, _write| {
+            Ok(sqlx::query_scalar::<_, i64>(&self.q.clock_now)
+                .fetch_one(read)
+                .await?)
+        })
+    }
+
+    async fn schedule_start(&self, name: &str, at_ms: i64) -> Result<bool> {
+        input::check_schedule_name(name)?;
+        with_db!(self, |_read, write| {
+            let result = sqlx::query(&self.q.schedule_start)
+                .bind(name)
+                .bind(at_ms)
+                .execute(write)
+                .await?;
+            Ok(result.rows_affected() > 0)
+        })
+    }
+
+    async fn schedule_tick(&self, tick: ScheduleTick) -> Result<Ticked> {
+        input::check_schedule_name(&tick.name)?;
+        // Checked before the transaction opens, as any enqueue is.
+        let job = match tick.job {
+            Some(mut job) => {
+                job.idempotency_key = Some(schedule_key(&tick.name, tick.tick_ms));
+                Some(input::insertable(job)?)
+            }
+            None => None,
+        };
+        let ticked = with_db!(self, |_read, write| {
+            let mut tx = write.begin_write().await?;
+            let moved: Option<String> = sqlx::query_scalar(&self.q.schedule_advance)
+                .bind(&tick.name)
+                .bind(tick.tick_ms)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if moved.is_none() {
+                // Another node is at this tick or past it: nothing to do.
+                tx.rollback().await?;
+                return Ok(Ticked::Stale);
+            }
+            let ticked = match &job {
+                Some(job) => {
+                    let enqueued = insert_one!(&mut *tx, &self.q, job)?;
+                    sqlx::query(&self.q.schedule_set_job)
+                        .bind(&tick.name)
+                        .bind(enqueued.id.0)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ticked::Enqueued(enqueued)
+                }
+                None => Ticked::Passed,
+            };
+            tx.commit().await?;
+            ticked
+        });
+        if matches!(ticked, Ticked::Enqueued(Enqueued { inserted: true, .. })) {
+            wake(&self.notify);
+        }
+        Ok(ticked)
+    }
+
+    async fn schedule_list(&self) -> Result<Vec<ScheduleState>> {
+        with_db!(self, |read, _write| {
+            let found = sqlx::query(&self.q.schedule_list).fetch_all(read).await?;
+            found.iter().map(rows::schedule_from_row).collect()
+        })
+    }
 }
 
 /// Rounds of effect claims before a key that keeps changing is deferred.

@@ -15,6 +15,7 @@
 //! - [`batch`]: batched writes and the group commit's buffer.
 //! - [`statements`]: `sql` effects on the store's own database.
 //! - [`sessions`]: dashboard sessions (expiry, sign-out, token change).
+//! - [`schedules`]: schedule ticks, once each across callers.
 //! - [`model`]: random interleavings of the job state machine against a
 //!   reference model.
 
@@ -25,6 +26,7 @@ pub mod effects;
 pub mod insert;
 pub mod lifecycle;
 pub mod model;
+pub mod schedules;
 pub mod sessions;
 pub mod statements;
 
@@ -162,6 +164,11 @@ macro_rules! conformance_suite {
             sessions::session_revoked_is_not_live,
             sessions::session_needs_a_configured_token,
             sessions::session_input_is_checked,
+            schedules::schedule_tick_moves_forward_only,
+            schedules::schedule_tick_checks_its_input_before_writing,
+            schedules::schedule_tick_race_enqueues_one_job,
+            schedules::schedule_tick_never_comes_back_after_pruning,
+            schedules::clock_now_is_the_store_clock,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
