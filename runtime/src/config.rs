@@ -28,6 +28,12 @@
 //! [providers.email]
 //! kind = "email"
 //! base_url = "http://127.0.0.1:8025"
+//!
+//! [[schedules]]                       # periodic jobs (see crate::schedule)
+//! name = "nightly-report"
+//! cron = "0 30 2 * * *"
+//! timezone = "Europe/Paris"
+//! plugin = "report"
 //! ```
 
 use crate::providers::ProviderConfig;
@@ -116,6 +122,10 @@ pub struct Config {
     pub providers: BTreeMap<String, ProviderConfig>,
     /// Brokers whose messages become jobs (`[[sources]]`), run by `idem run`.
     pub sources: Vec<crate::sources::SourceConfig>,
+    /// Periodic jobs (`[[schedules]]`), checked as the file is read, run by
+    /// every `idem run`.
+    #[serde(deserialize_with = "crate::schedule::unique_schedules")]
+    pub schedules: Vec<crate::schedule::Schedule>,
 }
 
 impl Default for Config {
@@ -129,6 +139,7 @@ impl Default for Config {
             retention: RetentionConfig::default(),
             providers: BTreeMap::new(),
             sources: Vec::new(),
+            schedules: Vec::new(),
         }
     }
 }
@@ -451,6 +462,78 @@ mod tests {
                 toml::from_str::<Config>(&format!("[worker]\ncommit_lanes = {wrong}")).unwrap_err();
             assert!(err.to_string().contains("between 1 and 4"), "{err}");
         }
+    }
+
+    #[test]
+    fn schedules_are_checked_and_named_in_errors() {
+        let config: Config = toml::from_str(
+            "[[schedules]]\nname = \"nightly\"\ncron = \"30 2 * * *\"\n\
+             timezone = \"Europe/Paris\"\nplugin = \"report\"\npayload = '{\"a\": 1}'\n\
+             missed = \"all\"\ncatch_up_limit = 5\n\n\
+             [[schedules]]\nname = \"tick\"\ncron = \"*/5 * * * * *\"\nplugin = \"noop\"\n\
+             payload = { b = [1, 2] }\n",
+        )
+        .unwrap();
+        let [nightly, tick] = &config.schedules[..] else {
+            panic!("two schedules: {:?}", config.schedules)
+        };
+        assert_eq!(nightly.payload, br#"{"a":1}"#);
+        assert_eq!(nightly.missed, crate::schedule::Missed::All);
+        assert_eq!(nightly.catch_up_limit, 5);
+        assert_eq!(tick.timezone, "UTC");
+        assert_eq!(tick.queue, "default");
+        assert_eq!(tick.missed, crate::schedule::Missed::One);
+        assert_eq!(tick.catch_up_limit, 100);
+        assert_eq!(tick.payload, br#"{"b":[1,2]}"#);
+        let refused = |table: &str, expected: &[&str]| {
+            let err = toml::from_str::<Config>(&format!("[[schedules]]\n{table}"))
+                .unwrap_err()
+                .to_string();
+            for part in expected {
+                assert!(err.contains(part), "{part:?} not in {err}");
+            }
+        };
+        let base = "plugin = \"p\"\n";
+        refused(
+            &format!("name = \"bad-cron\"\ncron = \"61 * * * *\"\n{base}"),
+            &["schedule \"bad-cron\"", "cron \"61 * * * *\""],
+        );
+        refused(
+            &format!("name = \"short\"\ncron = \"* * *\"\n{base}"),
+            &["schedule \"short\"", "cron"],
+        );
+        refused(
+            &format!("name = \"tz\"\ncron = \"* * * * *\"\ntimezone = \"Mars/Olympus\"\n{base}"),
+            &["schedule \"tz\"", "unknown time zone \"Mars/Olympus\""],
+        );
+        refused(
+            &format!("name = \"a/b\"\ncron = \"* * * * *\"\n{base}"),
+            &["schedule \"a/b\"", "name"],
+        );
+        refused(
+            &format!("name = \"json\"\ncron = \"* * * * *\"\npayload = \"{{nope\"\n{base}"),
+            &["schedule \"json\"", "payload is not JSON"],
+        );
+        refused(
+            &format!("name = \"never\"\ncron = \"0 0 30 2 *\"\n{base}"),
+            &["schedule \"never\"", "never fires"],
+        );
+        refused(
+            &format!("name = \"q\"\ncron = \"* * * * *\"\nqueue = \"a b\"\n{base}"),
+            &["schedule \"q\"", "queue name"],
+        );
+        refused(
+            &format!("name = \"m\"\ncron = \"* * * * *\"\nmissed = \"some\"\n{base}"),
+            &["some"],
+        );
+        let twice = "[[schedules]]\nname = \"x\"\ncron = \"* * * * *\"\nplugin = \"p\"\n";
+        let err = toml::from_str::<Config>(&format!("{twice}{twice}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("schedule \"x\"") && err.contains("twice"),
+            "{err}"
+        );
     }
 
     #[test]

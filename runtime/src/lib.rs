@@ -14,6 +14,7 @@
 //! - [`store`]: the store contract with SQLite and PostgreSQL implementations.
 //! - [`providers`]: where effects are carried out (http, email, sql), with retry-storm guards.
 //! - [`ops`]: the operator surface: read model, replay and its preview, HTTP API, dashboard.
+//! - [`schedule`]: `[[schedules]]`: cron ticks in a time zone, enqueued once each across nodes.
 //! - [`sources`]: brokers (RabbitMQ, NATS JetStream) whose messages become jobs, exactly once.
 //! - [`config`]: `idem.toml` and environment overrides.
 //! - [`cli`]: the `idem` command line.
@@ -34,5 +35,6 @@ pub mod plugins;
 pub mod providers;
 pub mod queue;
 pub mod sandbox;
+pub mod schedule;
 pub mod sources;
 pub mod store;

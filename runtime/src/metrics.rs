@@ -4,7 +4,8 @@
 //! Counters: `idem_jobs_claimed_total{queue,plugin}`,
 //! `idem_jobs_finished_total{plugin,outcome}` (succeeded, retried, dead, deferred),
 //! `idem_job_errors_total{plugin,code,class}`, `idem_jobs_deferred_total{plugin,reason}`, `idem_lease_expiries_total`,
-//! `idem_fenced_out_total`, `idem_effects_total{provider,outcome}`
+//! `idem_fenced_out_total`, `idem_schedule_ticks_total{schedule,outcome}` (enqueued, skipped),
+//! `idem_effects_total{provider,outcome}`
 //! (executed, idempotency_hit, failed, deferred), `idem_provider_errors_total{provider,code}`,
 //! `idem_effects_reconciled_total{provider,outcome}` (a lookup's answer for a key in
 //! doubt: applied, not_applied, too_recent, unavailable, unanswerable).
@@ -115,6 +116,14 @@ pub fn job_error(plugin: &str, code: &str, class: &'static str) {
 /// Expired leases were rescued.
 pub fn lease_expiries(count: u64) {
     metrics::counter!("idem_lease_expiries_total").increment(count);
+}
+
+/// This node recorded a schedule's tick: `enqueued` (its job) or `skipped`
+/// (a missed tick passed over by policy). Summed over nodes, each tick
+/// counts once.
+pub fn schedule_tick(schedule: &str, outcome: &'static str) {
+    metrics::counter!("idem_schedule_ticks_total", "schedule" => schedule.to_string(), "outcome" => outcome)
+        .increment(1);
 }
 
 /// A stale write was rejected by the fence.

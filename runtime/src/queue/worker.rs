@@ -66,6 +66,9 @@ pub struct WorkerSettings {
     pub max_claim: usize,
     /// How writes are grouped into transactions.
     pub group_commit: GroupCommitSettings,
+    /// Periodic jobs this worker enqueues when due (every worker runs the
+    /// ticker; the store lets one of them enqueue each tick).
+    pub schedules: Vec<crate::schedule::Schedule>,
 }
 
 impl WorkerSettings {
@@ -101,6 +104,7 @@ impl WorkerSettings {
                 max_wait: config.worker.commit_wait,
                 lanes: config.worker.commit_lanes,
             },
+            schedules: config.schedules.clone(),
         }
     }
 }
@@ -212,6 +216,15 @@ impl Worker {
             background.clone(),
         );
         let reconciling = self.spawn_reconcile(background.clone());
+        let ticking = (!self.settings.schedules.is_empty()).then(|| {
+            tokio::spawn(crate::schedule::ticker::run(
+                self.store.clone(),
+                self.settings.schedules.clone(),
+                self.settings.poll_interval,
+                self.settings.max_attempts,
+                background.clone(),
+            ))
+        });
         let keeping = {
             let (keeper, store, stop) =
                 (self.keeper.clone(), self.store.clone(), background.clone());
@@ -347,7 +360,7 @@ impl Worker {
         background.cancel();
         let _ = keeping.await;
         let _ = gauges.await;
-        for service in services.into_iter().chain(reconciling) {
+        for service in services.into_iter().chain(reconciling).chain(ticking) {
             let _ = service.await;
         }
         Ok(self.stats.snapshot())
