@@ -1203,3 +1203,105 @@ fn stored_control_characters_are_printed_escaped() {
         );
     }
 }
+
+/// `idem schedules list` and `idem stats` show each schedule's next run and
+/// its last tick, job and outcome; a bad `[[schedules]]` table stops the
+/// command at start, naming the schedule.
+#[tokio::test]
+async fn schedules_list_shows_next_and_last_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("idem.toml"),
+        concat!(
+            "[[schedules]]\nname = \"nightly\"\ncron = \"30 2 * * *\"\n",
+            "timezone = \"Europe/Paris\"\nplugin = \"noop\"\n\n",
+            "[[schedules]]\nname = \"every-minute\"\ncron = \"* * * * *\"\nplugin = \"noop\"\n",
+        ),
+    )
+    .unwrap();
+    let lines = |out: String| -> Vec<serde_json::Value> {
+        out.lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect()
+    };
+    let before = lines(ok(&idem_in(
+        dir.path(),
+        &["schedules", "list", "--json"],
+        &[],
+    )));
+    assert_eq!(before.len(), 2, "{before:?}");
+    assert_eq!(before[0]["name"], "every-minute");
+    assert_eq!(before[1]["name"], "nightly");
+    assert_eq!(before[1]["timezone"], "Europe/Paris");
+    assert!(
+        before[1]["next_run"].as_str().unwrap().ends_with(":30:00Z"),
+        "02:30 in Paris is :30 past a UTC hour: {}",
+        before[1]
+    );
+    assert!(before[0]["last_tick"].is_null(), "{}", before[0]);
+
+    // A node recorded one tick of `nightly`, and a schedule since removed.
+    let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let store = idem::store::connect(&url).await.unwrap();
+    let tick = 1_796_607_000_000; // 2026-12-07T01:30:00Z, 02:30 in Paris
+    let job = idem::store::NewJob::new("noop", b"{}".to_vec());
+    let ticked = store
+        .schedule_tick(idem::store::ScheduleTick {
+            name: "nightly".into(),
+            tick_ms: tick,
+            job: Some(job),
+        })
+        .await
+        .unwrap();
+    let idem::store::Ticked::Enqueued(enqueued) = ticked else {
+        panic!("{ticked:?}")
+    };
+    assert!(store.schedule_start("removed", tick).await.unwrap());
+    drop(store);
+
+    let after = lines(ok(&idem_in(
+        dir.path(),
+        &["schedules", "list", "--json"],
+        &[],
+    )));
+    let nightly = after.iter().find(|s| s["name"] == "nightly").unwrap();
+    assert_eq!(nightly["last_tick"], "2026-12-07T01:30:00Z");
+    assert_eq!(nightly["last_job_id"], enqueued.id.0);
+    assert_eq!(nightly["last_outcome"], "available");
+    let removed = after.iter().find(|s| s["name"] == "removed").unwrap();
+    assert_eq!(removed["configured"], false);
+    assert!(removed["next_run"].is_null());
+    let table = ok(&idem_in(dir.path(), &["schedules", "list"], &[]));
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("nightly "))
+        .unwrap_or_else(|| panic!("{table}"));
+    for part in [
+        "30 2 * * *",
+        "Europe/Paris",
+        "2026-12-07T01:30:00Z",
+        &enqueued.id.0.to_string(),
+        "available",
+    ] {
+        assert!(row.contains(part), "{part:?} in {row:?}");
+    }
+    assert!(table.contains("(not configured)"), "{table}");
+    let stats: serde_json::Value =
+        serde_json::from_str(&ok(&idem_in(dir.path(), &["stats"], &[]))).unwrap();
+    let in_stats = stats["schedules"].as_array().expect("schedules in stats");
+    assert_eq!(in_stats.len(), 3, "{stats}");
+    assert_eq!(in_stats[1], *nightly, "the list's numbers");
+
+    std::fs::write(
+        dir.path().join("idem.toml"),
+        "[[schedules]]\nname = \"typo\"\ncron = \"* * * * *\"\ntimezone = \"Europe/Pariss\"\nplugin = \"noop\"\n",
+    )
+    .unwrap();
+    let refused = idem_in(dir.path(), &["schedules", "list"], &[]);
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("schedule \"typo\"") && stderr.contains("Europe/Pariss"),
+        "{stderr}"
+    );
+}

@@ -17,6 +17,7 @@
 //! - `server`: `idem provider-server` (only with the default `provider-server`
 //!   feature).
 //! - [`sources`]: `idem sources list|bench` (brokers whose messages become jobs).
+//! - [`schedules`]: `idem schedules list` (periodic jobs, next and last runs).
 //! - [`signal`]: Ctrl-C / SIGTERM for the long-running commands.
 
 pub mod bench;
@@ -27,6 +28,7 @@ pub mod effects;
 pub mod ops;
 pub mod plugins;
 pub mod queue;
+pub mod schedules;
 #[cfg(feature = "provider-server")]
 pub mod server;
 pub mod signal;
@@ -129,8 +131,9 @@ pub enum Command {
     /// Measure throughput and pickup latency on a clean store (a fresh
     /// SQLite file, or a fresh schema of a `--database-url postgres://...`).
     Bench(bench::BenchArgs),
-    /// Job counts per state, readiness, the last minute's rates and dead
-    /// jobs by code, as JSON (the same numbers as `GET /api/queues`).
+    /// Job counts per state, readiness, the last minute's rates, dead
+    /// jobs by code and the schedules (next run, last run and outcome), as
+    /// JSON (the same numbers as `GET /api/queues` and `GET /api/schedules`).
     Stats {
         /// Only this queue.
         #[arg(long)]
@@ -150,6 +153,9 @@ pub enum Command {
     /// Brokers whose messages become jobs: list them, measure one.
     #[command(subcommand)]
     Sources(sources::SourcesCommand),
+    /// Periodic jobs (`[[schedules]]`): next runs, last ticks and outcomes.
+    #[command(subcommand)]
+    Schedules(schedules::SchedulesCommand),
     /// Prove exactly-once effects here: kill and stop workers, inject
     /// provider faults, then check 0 lost and 0 duplicates.
     #[cfg(feature = "provider-server")]
@@ -269,5 +275,6 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Jobs(command) => ops::jobs(&config, command).await,
         Command::Serve(args) => ops::serve(&config, &plugins_dir, args).await,
         Command::Sources(command) => sources::run(&config, explicit_url.as_deref(), command).await,
+        Command::Schedules(command) => schedules::run(&config, command).await,
     }
 }

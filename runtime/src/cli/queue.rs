@@ -488,6 +488,10 @@ pub async fn stats(config: &Config, queue: Option<&str>) -> Result<(), CliError>
     if queue.is_none() {
         out["queues"] = serde_json::to_value(&overview.queues).unwrap_or_default();
         out["dead_by_code"] = serde_json::to_value(&overview.dead_by_code).unwrap_or_default();
+        let schedules = crate::ops::view::schedules(&*store, &config.schedules)
+            .await
+            .map_err(|e| CliError::Runtime(e.into()))?;
+        out["schedules"] = serde_json::to_value(&schedules).unwrap_or_default();
     } else {
         let mut codes: Vec<_> = stats.dead_by_code.clone();
         codes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));

@@ -3,7 +3,10 @@
 //! stats`, `idem jobs`, the HTTP API and the dashboard show the same numbers.
 
 use super::OpsError;
-use crate::store::{EffectRecord, Job, JobFilter, JobId, JobState, QueueStats, Store};
+use crate::schedule::Schedule;
+use crate::store::{
+    EffectRecord, Job, JobFilter, JobId, JobState, QueueStats, ScheduleState, Store,
+};
 use serde::Serialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -105,6 +108,95 @@ pub async fn overview(store: &dyn Store) -> Result<Overview, OpsError> {
             .collect(),
         dead_by_code,
     })
+}
+
+/// One schedule as operators see it: its configuration (when this node's
+/// `idem.toml` has it) and what the store recorded.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ScheduleView {
+    /// The schedule's name.
+    pub name: String,
+    /// False for a schedule the store knows but this configuration no
+    /// longer has (removed or renamed: its row is kept, harmless).
+    pub configured: bool,
+    /// The cron expression.
+    pub cron: Option<String>,
+    /// Its IANA time zone.
+    pub timezone: Option<String>,
+    /// The plugin its jobs run.
+    pub plugin: Option<String>,
+    /// The missed-tick policy (`skip`, `one`, `all`).
+    pub missed: Option<&'static str>,
+    /// The next tick to come, after now and after the last one recorded.
+    pub next_run: Option<String>,
+    /// The latest tick recorded (enqueued, skipped, or when first seen).
+    pub last_tick: Option<String>,
+    /// The job of the latest enqueued tick.
+    pub last_job_id: Option<JobId>,
+    /// That job's state: the last run's outcome (none once pruned).
+    pub last_outcome: Option<&'static str>,
+}
+
+/// Every schedule, configured or known to the store, by name: what `idem
+/// schedules list`, `idem stats` and `GET /api/schedules` show. Next runs
+/// are reckoned from the store's clock.
+///
+/// `let schedules = idem::ops::view::schedules(&*store, &config.schedules).await?;`
+pub async fn schedules(
+    store: &dyn Store,
+    configured: &[Schedule],
+) -> Result<Vec<ScheduleView>, OpsError> {
+    let now = store.clock_now().await?;
+    let mut known: BTreeMap<String, ScheduleState> = store
+        .schedule_list()
+        .await?
+        .into_iter()
+        .map(|s| (s.name.clone(), s))
+        .collect();
+    let mut views: Vec<ScheduleView> = configured
+        .iter()
+        .map(|schedule| {
+            let state = known.remove(&schedule.name);
+            let from = state.as_ref().map_or(now, |s| s.last_tick_ms.max(now));
+            ScheduleView {
+                name: schedule.name.clone(),
+                configured: true,
+                cron: Some(schedule.cron.clone()),
+                timezone: Some(schedule.timezone.clone()),
+                plugin: Some(schedule.plugin.clone()),
+                missed: Some(schedule.missed.as_str()),
+                next_run: schedule.next_after(from).map(crate::store::rfc3339),
+                ..recorded(state)
+            }
+        })
+        .collect();
+    views.extend(known.into_values().map(|state| ScheduleView {
+        name: state.name.clone(),
+        ..recorded(Some(state))
+    }));
+    views.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(views)
+}
+
+/// What the store recorded of a schedule (nothing configured).
+fn recorded(state: Option<ScheduleState>) -> ScheduleView {
+    ScheduleView {
+        name: String::new(),
+        configured: false,
+        cron: None,
+        timezone: None,
+        plugin: None,
+        missed: None,
+        next_run: None,
+        last_tick: state
+            .as_ref()
+            .map(|s| crate::store::rfc3339(s.last_tick_ms)),
+        last_job_id: state.as_ref().and_then(|s| s.last_job_id),
+        last_outcome: state
+            .as_ref()
+            .and_then(|s| s.last_job_state)
+            .map(JobState::as_str),
+    }
 }
 
 /// Milliseconds since the epoch as an RFC 3339 UTC time.

@@ -21,14 +21,20 @@ pub fn interval(poll_interval: Duration) -> Duration {
 }
 
 /// How old a due tick may be and still count as on time, not missed:
-/// `max(2 × interval, 1 s)`. Two rounds absorb one slow round (a busy
-/// store), so a tick is never dropped as missed just because a round came
-/// late; a tick older than that was due while no node was looking.
+/// `max(2 × interval, 5 s)`. A stall of a few seconds (a slow store, a
+/// failover, a pause) must never drop a tick of a running cluster: with
+/// `one`, a late tick followed by an on-time one would otherwise collapse
+/// into it. The cost: after an outage, the ticks of its last 5 s count as
+/// on time and are enqueued whatever the policy (a per-second schedule with
+/// `skip` gets up to 5 jobs, a per-minute one at most 1).
 ///
 /// `let grace = idem::schedule::ticker::grace(std::time::Duration::from_secs(1));`
 pub fn grace(interval: Duration) -> Duration {
-    (interval * 2).max(Duration::from_secs(1))
+    (interval * 2).max(GRACE)
 }
+
+/// The least [`grace`].
+const GRACE: Duration = Duration::from_secs(5);
 
 /// Records every due tick of `schedules` once; returns the jobs this call
 /// enqueued, as (schedule, tick, job id). A schedule the store does not
