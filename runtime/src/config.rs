@@ -537,6 +537,30 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_schedules_parse() {
+        let readme = include_str!("../../README.md");
+        let start = readme
+            .find("```toml\n[[schedules]]")
+            .expect("schedules block in README")
+            + 8;
+        let end = start + readme[start..].find("```").expect("end of block");
+        let config: Config = toml::from_str(&readme[start..end]).unwrap();
+        let [nightly, sync] = &config.schedules[..] else {
+            panic!("two schedules: {:?}", config.schedules)
+        };
+        assert_eq!(nightly.name, "nightly-report");
+        assert_eq!(nightly.timezone, "Europe/Paris");
+        assert_eq!(nightly.payload, br#"{"kind":"daily"}"#);
+        // 02:30 in Paris on 2026-12-07 is 01:30 UTC.
+        assert_eq!(
+            nightly.next_after(1_796_601_600_000),
+            Some(1_796_607_000_000)
+        );
+        assert_eq!(sync.missed, crate::schedule::Missed::All);
+        assert_eq!(sync.catch_up_limit, 100);
+    }
+
+    #[test]
     fn the_readme_configuration_parses() {
         let readme = include_str!("../../README.md");
         let start = readme
