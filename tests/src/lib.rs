@@ -243,6 +243,7 @@ impl Harness {
             default_max_attempts: 5,
             worker,
             preview: Arc::new(idem::ops::preview::PreviewGate::per_second(1000.0).expect("rate")),
+            schedules: Arc::from(Vec::new()),
         }
     }
 

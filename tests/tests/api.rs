@@ -571,7 +571,78 @@ async fn malformed_requests_never_break_the_api(backend: Backend) {
     assert_eq!(status, 200, "still serving");
 }
 
+/// `GET /api/schedules` and the dashboard's table show each schedule's
+/// configuration, next run, last tick, last job and its state.
+async fn schedules_show_their_next_and_last_runs(backend: Backend) {
+    let h = Harness::new(backend).await;
+    let nightly: idem::schedule::Schedule = toml::from_str(
+        "name = \"nightly\"\ncron = \"30 2 * * *\"\ntimezone = \"Europe/Paris\"\nplugin = \"noop\"",
+    )
+    .unwrap();
+    let tick = 1_796_607_000_000; // 2026-12-07T01:30:00Z, 02:30 in Paris
+    let ticked = h
+        .store
+        .schedule_tick(idem::store::ScheduleTick {
+            name: "nightly".into(),
+            tick_ms: tick,
+            job: Some(nightly.job(tick, 5)),
+        })
+        .await
+        .unwrap();
+    let idem::store::Ticked::Enqueued(job) = ticked else {
+        panic!("{ticked:?}")
+    };
+    let api = Api::serving(idem::ops::api::ApiState {
+        schedules: std::sync::Arc::from(vec![nightly]),
+        ..h.api_state(TOKEN, false)
+    })
+    .await;
+    let (status, body) = api.get("/api/schedules").await;
+    assert_eq!(status, 200, "{body}");
+    let listed = &body["schedules"][0];
+    assert_eq!(
+        body["schedules"].as_array().map(Vec::len),
+        Some(1),
+        "{body}"
+    );
+    assert_eq!(listed["name"], "nightly");
+    assert_eq!(listed["configured"], true);
+    assert_eq!(listed["timezone"], "Europe/Paris");
+    assert_eq!(listed["missed"], "one");
+    assert_eq!(listed["last_tick"], "2026-12-07T01:30:00Z");
+    assert_eq!(listed["last_job_id"], job.id.0);
+    assert_eq!(listed["last_outcome"], "available");
+    let next = listed["next_run"].as_str().unwrap_or_default();
+    assert!(next.ends_with(":30:00Z"), "{listed}");
+    let (status, page) = api.get("/ui").await;
+    assert_eq!(status, 200);
+    let html = page.as_str().unwrap_or_default();
+    for part in [
+        "<table id=\"schedules\">",
+        "<code>30 2 * * *</code>",
+        "Europe/Paris",
+        next,
+        "2026-12-07T01:30:00Z",
+        &format!("<a href=\"/ui/jobs/{0}\">{0}</a>", job.id.0),
+        "pill available",
+    ] {
+        assert!(html.contains(part), "{part:?} is not on the overview");
+    }
+    // A configuration without the schedule: the store's row is still
+    // listed, as not configured.
+    let bare = Api::start(&h).await;
+    let (_, body) = bare.get("/api/schedules").await;
+    assert_eq!(body["schedules"][0]["configured"], false, "{body}");
+    assert!(body["schedules"][0]["next_run"].is_null(), "{body}");
+    let (_, page) = bare.get("/ui").await;
+    assert!(
+        page.as_str().unwrap_or_default().contains("not configured"),
+        "{page}"
+    );
+}
+
 both_backends!(
+    schedules_show_their_next_and_last_runs,
     every_route_but_healthz_asks_for_the_token,
     enqueue_list_show_and_cancel,
     bad_requests_get_clear_json_errors,

@@ -189,6 +189,7 @@ pub fn start(
         default_max_attempts: config.worker.max_attempts,
         worker,
         preview: Arc::new(preview),
+        schedules: config.schedules.clone().into(),
     };
     let addr = listener.local_addr().ok();
     if allowed_hosts.is_none() && !args.metrics_only && addr.is_some_and(|a| !a.ip().is_loopback())

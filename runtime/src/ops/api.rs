@@ -60,6 +60,8 @@ pub struct ApiState {
     /// Paces replay previews across every request and bounds how many run
     /// a plugin at once (they share the sandbox with the worker).
     pub preview: Arc<preview::PreviewGate>,
+    /// The configured `[[schedules]]`, for their cron, zone and next run.
+    pub schedules: Arc<[crate::schedule::Schedule]>,
 }
 
 /// An error answer: a status and `{"error":{"code","message"}}`.
@@ -155,6 +157,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/api/openapi.json"),
     ("get", "/api/queues"),
     ("get", "/api/providers"),
+    ("get", "/api/schedules"),
     ("get", "/api/jobs"),
     ("post", "/api/jobs"),
     ("post", "/api/jobs/batch"),
@@ -181,6 +184,7 @@ pub fn router(state: ApiState) -> Router {
     let api = Router::new()
         .route("/api/queues", get(queues))
         .route("/api/providers", get(providers))
+        .route("/api/schedules", get(schedules))
         .route("/api/jobs", get(list_jobs).post(enqueue))
         .route("/api/jobs/batch", post(enqueue_batch))
         .route("/api/jobs/{id}", get(show_job))
@@ -280,6 +284,11 @@ async fn prometheus(State(state): State<ApiState>) -> Response {
 async fn queues(State(state): State<ApiState>) -> ApiResult {
     let overview = view::overview(&*state.store).await?;
     ok(serde_json::to_value(overview).unwrap_or_default())
+}
+
+async fn schedules(State(state): State<ApiState>) -> ApiResult {
+    let list = view::schedules(&*state.store, &state.schedules).await?;
+    ok(json!({ "schedules": list }))
 }
 
 async fn providers(State(state): State<ApiState>) -> ApiResult {

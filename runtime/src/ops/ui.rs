@@ -294,6 +294,10 @@ async fn overview(State(state): State<ApiState>) -> Response {
         }
         body.push_str("</table>");
     }
+    match view::schedules(&*state.store, &state.schedules).await {
+        Ok(schedules) => schedule_rows(&mut body, &schedules),
+        Err(e) => return error_page(e.into()),
+    }
     body.push_str("<h2>Providers</h2>");
     if state.providers.iter().next().is_none() {
         body.push_str("<p class=\"muted\">No worker runs in this process (idem serve): circuit states are those of each worker's own process; see <code>idem_provider_circuit_state</code> in its metrics.</p>");
@@ -313,6 +317,40 @@ async fn overview(State(state): State<ApiState>) -> Response {
         body.push_str("</table>");
     }
     page_with_script("Overview", &body, &assets::live_script_tag())
+}
+
+/// The schedules table of the overview: next run, last tick, last job and
+/// its state.
+fn schedule_rows(body: &mut String, schedules: &[view::ScheduleView]) {
+    body.push_str("<h2>Schedules</h2>");
+    if schedules.is_empty() {
+        body.push_str(
+            "<p class=\"muted\">No <code>[[schedules]]</code> in this configuration.</p>",
+        );
+        return;
+    }
+    body.push_str("<table id=\"schedules\"><tr><th>Schedule</th><th>Cron</th><th>Time zone</th><th>Next run</th><th>Last tick</th><th>Last job</th><th>Last outcome</th></tr>");
+    let text = |value: &Option<String>| value.as_deref().map(escape).unwrap_or_else(|| "-".into());
+    for s in schedules {
+        let cron = match &s.cron {
+            Some(cron) => escape(cron),
+            None => "<span class=\"muted\">not configured</span>".into(),
+        };
+        let job = match s.last_job_id {
+            Some(id) => format!("<a href=\"/ui/jobs/{0}\">{0}</a>", id.0),
+            None => "-".into(),
+        };
+        let _ = write!(
+            body,
+            "<tr><td>{}</td><td><code>{cron}</code></td><td>{}</td><td>{}</td><td>{}</td><td class=\"n\">{job}</td><td>{}</td></tr>",
+            escape(&s.name),
+            text(&s.timezone),
+            text(&s.next_run),
+            text(&s.last_tick),
+            s.last_outcome.map(pill).unwrap_or_else(|| "-".into()),
+        );
+    }
+    body.push_str("</table>");
 }
 
 #[derive(Debug, Deserialize, Default)]
