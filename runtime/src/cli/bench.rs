@@ -496,6 +496,8 @@ async fn measure(
     let mut settings = WorkerSettings::from_config(config);
     settings.queues = BTreeMap::from([("default".to_string(), args.concurrency.max(1))]);
     settings.max_attempts = 1;
+    // A bench measures its own jobs on a clean store: no schedule's.
+    settings.schedules = Vec::new();
     if let Some(claim) = args.claim_batch {
         settings.max_claim = claim;
     }
