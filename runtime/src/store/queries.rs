@@ -202,6 +202,19 @@ impl Queries {
             let cols: Vec<(&str, ColType)> = FENCE_COLS.iter().chain(extra).copied().collect();
             (d.rows)(&cols)
         };
+        // A job's success, fenced; `extra` narrows the rows it may mark.
+        let job_succeed = |extra: &str| {
+            x(&format!(
+                "UPDATE jobs SET state = 'succeeded', finished_at = {{now}}, lease_owner = NULL, \
+                     lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
+                     plan = COALESCE(jobs.plan, t.plan), \
+                     plan_hash = CASE WHEN jobs.plan IS NULL AND t.plan IS NOT NULL \
+                         THEN t.hash ELSE jobs.plan_hash END, \
+                     updated_at = {{now}} \
+                 FROM {rows} WHERE {JOB_FENCE} {extra} RETURNING jobs.id",
+                rows = job_rows(&[("hash", Text), ("plan", Text)]),
+            ))
+        };
         let effect_rows = |extra: &[(&'static str, ColType)]| {
             let cols: Vec<(&str, ColType)> =
                 EFFECT_FENCE_COLS.iter().chain(extra).copied().collect();
@@ -305,28 +318,10 @@ impl Queries {
                  FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
                 rows = job_rows(&[("plan", Text), ("hash", Text)]),
             )),
-            job_succeed: x(&format!(
-                "UPDATE jobs SET state = 'succeeded', finished_at = {{now}}, lease_owner = NULL, \
-                     lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
-                     plan = COALESCE(jobs.plan, t.plan), \
-                     plan_hash = CASE WHEN jobs.plan IS NULL AND t.plan IS NOT NULL \
-                         THEN t.hash ELSE jobs.plan_hash END, \
-                     updated_at = {{now}} \
-                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
-                rows = job_rows(&[("hash", Text), ("plan", Text)]),
-            )),
-            job_succeed_unless_locked: x(&format!(
-                "UPDATE jobs SET state = 'succeeded', finished_at = {{now}}, lease_owner = NULL, \
-                     lease_until = NULL, plugin_hash = COALESCE(t.hash, jobs.plugin_hash), \
-                     plan = COALESCE(jobs.plan, t.plan), \
-                     plan_hash = CASE WHEN jobs.plan IS NULL AND t.plan IS NOT NULL \
-                         THEN t.hash ELSE jobs.plan_hash END, \
-                     updated_at = {{now}} \
-                 FROM {rows} WHERE {JOB_FENCE} \
-                     AND jobs.id IN (SELECT free.id FROM jobs free WHERE free.id = t.id {{skip_locked}}) \
-                 RETURNING jobs.id",
-                rows = job_rows(&[("hash", Text), ("plan", Text)]),
-            )),
+            job_succeed: job_succeed(""),
+            job_succeed_unless_locked: job_succeed(
+                "AND jobs.id IN (SELECT free.id FROM jobs free WHERE free.id = t.id {skip_locked})",
+            ),
             job_retry: x(&format!(
                 "UPDATE jobs SET state = 'retrying', run_at = {{now}} + t.delay_ms, \
                      attempt = {{greatest}}(jobs.attempt - t.refund, 0), lease_owner = NULL, \
