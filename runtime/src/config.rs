@@ -526,6 +526,23 @@ mod tests {
             &format!("name = \"m\"\ncron = \"* * * * *\"\nmissed = \"some\"\n{base}"),
             &["some"],
         );
+        // From the review: names that read differently on each node, and a
+        // limit that would make one round thousands of transactions.
+        for zone in ["localtime", "Factory", "right/UTC"] {
+            refused(
+                &format!("name = \"z\"\ncron = \"* * * * *\"\ntimezone = \"{zone}\"\n{base}"),
+                &[
+                    "schedule \"z\"",
+                    "not an IANA zone every node reads the same",
+                ],
+            );
+        }
+        refused(
+            &format!(
+                "name = \"flood\"\ncron = \"* * * * * *\"\nmissed = \"all\"\ncatch_up_limit = 4294967295\n{base}"
+            ),
+            &["schedule \"flood\"", "catch_up_limit is at most 10000"],
+        );
         let twice = "[[schedules]]\nname = \"x\"\ncron = \"* * * * *\"\nplugin = \"p\"\n";
         let err = toml::from_str::<Config>(&format!("{twice}{twice}"))
             .unwrap_err()

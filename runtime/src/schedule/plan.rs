@@ -26,18 +26,6 @@ pub struct Step {
 /// and the outage (a per-second schedule down for a month).
 const MAX_SCAN: usize = 100_000;
 
-/// How far back the latest missed tick is looked for, widening only while
-/// none is found (so a frequent schedule reads a minute of ticks, not a
-/// month).
-const WINDOWS_MS: [i64; 6] = [
-    60_000,
-    3_600_000,
-    86_400_000,
-    32 * 86_400_000,
-    367 * 86_400_000,
-    10 * 367 * 86_400_000,
-];
-
 /// The ticks to record now, oldest first (empty when none is due).
 ///
 /// ```
@@ -112,21 +100,24 @@ fn ticks_in(schedule: &Schedule, after: i64, until: i64, limit: usize) -> Vec<i6
     ticks
 }
 
-/// The latest tick in `(last, before)`.
+/// The latest tick in `(last, before)`, by bisection: a tick at or after
+/// `x` (and before `before`) exists exactly while `x` is at most the latest
+/// one, so about 40 searches find it, however dense the ticks and however
+/// long the outage (a scan from `last` would read millions of a
+/// per-second schedule's ticks, and a capped one would stop short).
 fn latest_before(schedule: &Schedule, last: i64, before: i64) -> Option<i64> {
-    for window in WINDOWS_MS {
-        let from = last.max(before - window);
-        let latest = ticks_in(schedule, from, before - 1, MAX_SCAN)
-            .last()
-            .copied();
-        if latest.is_some() || from == last {
-            return latest;
+    let exists_from = |x: i64| schedule.next_after(x - 1).is_some_and(|t| t < before);
+    let mut lo = schedule.next_after(last).filter(|t| *t < before)?;
+    let mut hi = before;
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if exists_from(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
         }
     }
-    // Nothing in ten years back; read from the last tick on.
-    ticks_in(schedule, last, before - 1, MAX_SCAN)
-        .last()
-        .copied()
+    Some(lo)
 }
 
 #[cfg(test)]
@@ -214,5 +205,37 @@ mod tests {
         let all = schedule("* * * * * *", "all", 5);
         assert_eq!(steps(&all, 0, now, 1000).len(), 6);
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn one_after_an_outage_of_a_dense_schedule_is_the_latest_tick() {
+        // Every second of business hours on weekdays, down for a week
+        // (from the review: a scan capped at 100,000 ticks stopped short
+        // and `one` enqueued two catch-up jobs).
+        let at = |t: &str| {
+            chrono::DateTime::parse_from_rfc3339(t)
+                .expect("a time")
+                .timestamp_millis()
+        };
+        let s = schedule("* * 9-17 * * 1-5", "one", 100);
+        let last = at("2026-11-30T10:00:00Z");
+        let now = at("2026-12-07T08:00:00Z");
+        let planned = steps(&s, last, now, 5_000);
+        assert_eq!(
+            planned,
+            [Step {
+                tick_ms: at("2026-12-04T17:59:59Z"),
+                enqueue: true
+            }]
+        );
+        // The same outage under `skip`: moved past, at the same tick.
+        let skip = schedule("* * 9-17 * * 1-5", "skip", 100);
+        assert_eq!(
+            steps(&skip, last, now, 5_000),
+            [Step {
+                tick_ms: at("2026-12-04T17:59:59Z"),
+                enqueue: false
+            }]
+        );
     }
 }

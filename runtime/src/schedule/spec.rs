@@ -100,6 +100,10 @@ fn default_catch_up_limit() -> u32 {
     100
 }
 
+/// The largest `catch_up_limit`: a catch-up of this many ticks takes
+/// seconds of transactions, not minutes.
+pub const MAX_CATCH_UP_LIMIT: u32 = 10_000;
+
 /// Why a `[[schedules]]` table was refused.
 #[derive(Debug, thiserror::Error)]
 #[error("schedule {name:?}: {why}")]
@@ -138,6 +142,11 @@ impl TryFrom<ScheduleToml> for Schedule {
             return Err(fail(
                 "catch_up_limit must be at least 1 with missed = \"all\"".into(),
             ));
+        }
+        if t.catch_up_limit > MAX_CATCH_UP_LIMIT {
+            return Err(fail(format!(
+                "catch_up_limit is at most {MAX_CATCH_UP_LIMIT} (each missed tick is a job and a transaction)"
+            )));
         }
         let schedule = Schedule {
             name: t.name.clone(),

@@ -59,26 +59,36 @@ pub async fn tick_once(
         .map(|s| (s.name, s.last_tick_ms))
         .collect();
     let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
-    let mut enqueued = Vec::new();
-    for schedule in schedules {
-        let result = match known.get(&schedule.name) {
-            None => start(store, schedule, now).await,
-            Some(&last) => {
-                record(
-                    store,
-                    schedule,
-                    plan::steps(schedule, last, now, grace_ms),
-                    max_attempts,
-                    &mut enqueued,
-                )
-                .await
+    // Side by side: one schedule's long catch-up (thousands of ticks, a
+    // transaction each) does not hold the others' ticks back.
+    let rounds = schedules.iter().map(|schedule| {
+        let last = known.get(&schedule.name).copied();
+        async move {
+            let mut enqueued = Vec::new();
+            let result = match last {
+                None => start(store, schedule, now).await,
+                Some(last) => {
+                    record(
+                        store,
+                        schedule,
+                        plan::steps(schedule, last, now, grace_ms),
+                        max_attempts,
+                        &mut enqueued,
+                    )
+                    .await
+                }
+            };
+            if let Err(error) = result {
+                tracing::warn!(schedule = %schedule.name, %error, "schedule round failed; will try again");
             }
-        };
-        if let Err(error) = result {
-            tracing::warn!(schedule = %schedule.name, %error, "schedule round failed; will try again");
+            enqueued
         }
-    }
-    Ok(enqueued)
+    });
+    Ok(futures::future::join_all(rounds)
+        .await
+        .into_iter()
+        .flatten()
+        .collect())
 }
 
 async fn start(store: &dyn Store, schedule: &Schedule, now: i64) -> Result<(), StoreError> {
@@ -141,13 +151,26 @@ pub async fn run(
 ) {
     let every = interval(poll_interval);
     let grace = grace(every);
-    crate::queue::maintenance::every("schedules", every, stop, || {
-        let (store, schedules) = (store.clone(), schedules.clone());
+    // A loop per schedule: one schedule's long catch-up (up to
+    // `catch_up_limit` transactions) never delays another's next tick.
+    let loops = schedules.into_iter().map(|schedule| {
+        let (store, stop) = (store.clone(), stop.clone());
         async move {
-            tick_once(&*store, &schedules, grace, max_attempts)
-                .await
-                .map(|_| ())
+            crate::queue::maintenance::every("schedules", every, stop, || {
+                let (store, schedule) = (store.clone(), schedule.clone());
+                async move {
+                    tick_once(
+                        &*store,
+                        std::slice::from_ref(&schedule),
+                        grace,
+                        max_attempts,
+                    )
+                    .await
+                    .map(|_| ())
+                }
+            })
+            .await
         }
-    })
-    .await
+    });
+    futures::future::join_all(loops).await;
 }

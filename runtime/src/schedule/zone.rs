@@ -46,6 +46,16 @@ impl Zone {
         if name == "UTC" {
             return Ok(Zone::UTC);
         }
+        // Names that mean a different zone on each machine (its own
+        // setting) or none at all: two nodes would reckon different ticks.
+        if matches!(name, "localtime" | "Factory" | "posixrules") || name.starts_with("right/") {
+            return Err(UnknownZone {
+                name: name.to_string(),
+                why:
+                    "not an IANA zone every node reads the same: name one, such as \"Europe/Paris\""
+                        .into(),
+            });
+        }
         jiff::tz::TimeZone::get(name)
             .map(Zone)
             .map_err(|e| UnknownZone {
