@@ -27,6 +27,8 @@ enum SessionError {
     AckRefused,
     #[error("the broker did not answer the liveness probe within 10 s")]
     ProbeTimeout,
+    #[error("an acknowledgement was not sent within 10 s: the connection is gone")]
+    AckTimeout,
 }
 
 /// How long the periodic probe of the queue (its depth, for the lag
@@ -165,10 +167,17 @@ async fn session(
             return Ok(());
         };
         // Every delivery of the batch is in the store: one ack covers them.
-        if let Some(last) = deliveries.last()
-            && !last.acker.ack(BasicAckOptions { multiple: true }).await?
-        {
-            return Err(SessionError::AckRefused);
+        // Bounded: an ack on a connection cut under it can wait forever,
+        // and the session would never reconnect (the deliveries it leaves
+        // unacknowledged come back, into the same jobs).
+        if let Some(last) = deliveries.last() {
+            let ack = last.acker.ack(BasicAckOptions { multiple: true });
+            let acked = tokio::time::timeout(LIVENESS_TIMEOUT, ack)
+                .await
+                .map_err(|_| SessionError::AckTimeout)??;
+            if !acked {
+                return Err(SessionError::AckRefused);
+            }
         }
         crate::metrics::source_messages(&source.name, "acked", deliveries.len());
         backoff.reset();
