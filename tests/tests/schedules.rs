@@ -55,8 +55,10 @@ async fn stop(worker: (CancellationToken, tokio::task::JoinHandle<()>)) {
         .expect("the worker ran");
 }
 
-/// Waits (real time, for the workers to act) until `done` holds.
-async fn until<F, Fut>(what: &str, mut done: F)
+/// Waits for the workers to act until `done` holds: woken by each job the
+/// store inserts (a tick), and every 20 ms for what inserts none (a
+/// schedule's start).
+async fn until<F, Fut>(store: &Arc<dyn Store>, what: &str, mut done: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -67,7 +69,7 @@ where
             tokio::time::Instant::now() < deadline,
             "timed out waiting for {what}"
         );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        store.wait_for_jobs(Duration::from_millis(20)).await;
     }
 }
 
@@ -119,7 +121,7 @@ async fn two_workers_enqueue_each_tick_of_a_per_second_schedule_once(backend: Ba
     let every_second = [schedule("every-second", "* * * * * *", "")];
     let a = start(&h, "node-a", &every_second);
     let b = start(&h, "node-b", &every_second);
-    until("the schedule to start", || async {
+    until(&h.store, "the schedule to start", || async {
         last_tick(&h.store, "every-second").await.is_some()
     })
     .await;
@@ -134,7 +136,7 @@ async fn two_workers_enqueue_each_tick_of_a_per_second_schedule_once(backend: Ba
     for step in 0..60 {
         advance_ms(&h.store, SECOND).await;
         let tick = first + step * SECOND;
-        until(&format!("tick {step}"), || async {
+        until(&h.store, &format!("tick {step}"), || async {
             last_tick(&h.store, "every-second").await >= Some(tick)
         })
         .await;
@@ -171,7 +173,7 @@ async fn a_restart_after_an_outage_follows_each_policy(backend: Backend) {
     ];
     let names = ["skip", "one", "all", "all-3"];
     let before = start(&h, "before", &schedules);
-    until("the schedules to start", || async {
+    until(&h.store, "the schedules to start", || async {
         for name in names {
             if last_tick(&h.store, name).await.is_none() {
                 return false;
@@ -185,7 +187,7 @@ async fn a_restart_after_an_outage_follows_each_policy(backend: Backend) {
     let tick = (now / MINUTE + 1) * MINUTE;
     advance_ms(&h.store, tick + 200 - now).await;
     for name in names {
-        until(&format!("{name}'s first tick"), || async {
+        until(&h.store, &format!("{name}'s first tick"), || async {
             ticks(&h.store, name).await == [tick]
         })
         .await;
@@ -200,7 +202,7 @@ async fn a_restart_after_an_outage_follows_each_policy(backend: Backend) {
     advance_ms(&h.store, latest + 30 * SECOND - now).await;
     let after = start(&h, "after", &schedules);
     for name in names {
-        until(&format!("{name} to catch up"), || async {
+        until(&h.store, &format!("{name} to catch up"), || async {
             last_tick(&h.store, name).await == Some(latest)
         })
         .await;
