@@ -17,6 +17,7 @@
 //! | `correlation_id` | 1..=255 printable ASCII bytes (space included, as a key) | an invalid input (API: 400) |
 //! | `result_ref` | cleaned: control characters dropped, cut to [`MAX_RESULT_REF`] bytes; empty is none | — |
 //! | `idempotency_key` | the SDK's key rule: 1..=255 printable ASCII bytes | a dead job on arrival (broker), an invalid input |
+//! | `group` | as `idempotency_key` (a group is an entity's id) | a dead job on arrival (broker), an invalid input |
 //!
 //! The same rules are kept as data in `tests/vectors/strings.json`, which
 //! every path's tests read (and later SDKs can), so the paths cannot drift
@@ -352,6 +353,17 @@ pub fn idempotency_key(key: &str) -> Result<(), Refused> {
     })
 }
 
+/// A group (concurrency key), by the same rule as an idempotency key
+/// (1..=255 printable ASCII bytes): it is an entity's id, like a key.
+///
+/// `assert!(idem::boundary::group_key("order:42").is_ok());`
+pub fn group_key(group: &str) -> Result<(), Refused> {
+    idempotency_key(group).map_err(|r| Refused {
+        field: "group",
+        ..r
+    })
+}
+
 /// The shared test vectors (`tests/vectors/strings.json`), read by every
 /// path's tests.
 pub mod vectors {
@@ -471,6 +483,8 @@ mod tests {
         check_refusals("name", name);
         check_refusals("correlation_id", correlation_id);
         check_refusals("idempotency_key", idempotency_key);
+        // A group follows the key's rule, so the key's vectors hold for it.
+        check_refusals("idempotency_key", group_key);
     }
 
     #[test]

@@ -140,13 +140,17 @@ pub enum Code {
     MessageKeyMissing,
     /// A broker message's key is not a valid idempotency key; kept dead on arrival.
     MessageKeyInvalid,
+    /// A broker message carried no group under the source's group rule; kept dead on arrival.
+    MessageGroupMissing,
+    /// A broker message's group is not a valid group (the key's rule); kept dead on arrival.
+    MessageGroupInvalid,
     /// A broker message's payload exceeds the job payload limit; kept dead on arrival without it.
     MessageTooLarge,
 }
 
 impl Code {
     /// Every code.
-    pub const ALL: [Code; 49] = [
+    pub const ALL: [Code; 51] = [
         Code::PluginTimeout,
         Code::PluginOutOfMemory,
         Code::PluginStackOverflow,
@@ -195,6 +199,8 @@ impl Code {
         Code::SqlCommitUnknown,
         Code::MessageKeyMissing,
         Code::MessageKeyInvalid,
+        Code::MessageGroupMissing,
+        Code::MessageGroupInvalid,
         Code::MessageTooLarge,
     ];
 
@@ -253,6 +259,8 @@ impl Code {
             Code::SqlCommitUnknown => "sql_commit_unknown",
             Code::MessageKeyMissing => "message_key_missing",
             Code::MessageKeyInvalid => "message_key_invalid",
+            Code::MessageGroupMissing => "message_group_missing",
+            Code::MessageGroupInvalid => "message_group_invalid",
             Code::MessageTooLarge => "message_too_large",
         }
     }
@@ -308,6 +316,8 @@ impl Code {
             | Code::SqlResultUnreadable
             | Code::MessageKeyMissing
             | Code::MessageKeyInvalid
+            | Code::MessageGroupMissing
+            | Code::MessageGroupInvalid
             | Code::MessageTooLarge => ErrorClass::Permanent,
         }
     }
@@ -402,6 +412,12 @@ impl Code {
             }
             Code::MessageKeyInvalid => {
                 "A broker message's key is not a valid idempotency key; kept dead on arrival."
+            }
+            Code::MessageGroupMissing => {
+                "A broker message carried no group under the source's group rule; kept dead on arrival."
+            }
+            Code::MessageGroupInvalid => {
+                "A broker message's group is not a valid group (the key's rule); kept dead on arrival."
             }
             Code::MessageTooLarge => {
                 "A broker message's payload exceeds the job payload limit; kept dead on arrival without it."

@@ -115,7 +115,7 @@ async fn every_route_but_healthz_asks_for_the_token(backend: Backend) {
 async fn enqueue_list_show_and_cancel(backend: Backend) {
     let h = Harness::new(backend).await;
     let api = Api::start(&h).await;
-    let job = json!({"plugin": "noop", "payload": {"n": 1}, "key": "order-1", "queue": "billing", "priority": 3, "correlation_id": "c-1"});
+    let job = json!({"plugin": "noop", "payload": {"n": 1}, "key": "order-1", "queue": "billing", "priority": 3, "correlation_id": "c-1", "group": "order:1"});
     let (status, first) = api.post("/api/jobs", job.clone()).await;
     assert_eq!(status, 201, "{first}");
     let (status, again) = api.post("/api/jobs", job).await;
@@ -125,7 +125,7 @@ async fn enqueue_list_show_and_cancel(backend: Backend) {
     let (status, batch) = api
         .post(
             "/api/jobs/batch",
-            json!({"jobs": [{"plugin": "noop"}, {"plugin": "noop", "delay": "1h"}, {"plugin": "noop", "key": "order-1", "queue": "billing"}]}),
+            json!({"jobs": [{"plugin": "noop", "group": "order:2"}, {"plugin": "noop", "delay": "1h"}, {"plugin": "noop", "key": "order-1", "queue": "billing"}]}),
         )
         .await;
     assert_eq!(status, 200, "{batch}");
@@ -157,6 +157,9 @@ async fn enqueue_list_show_and_cancel(backend: Backend) {
     assert_eq!(detail["queue"], "billing");
     assert_eq!(detail["payload"], json!({"n": 1}));
     assert_eq!(detail["correlation_id"], "c-1");
+    assert_eq!(detail["group"], "order:1");
+    let (_, batched) = api.get(&format!("/api/jobs/{}", ids[0])).await;
+    assert_eq!(batched["group"], "order:2", "a batch's job keeps its group");
     assert_eq!(detail["timeline"][0]["event"], "enqueued");
 
     let (status, cancelled) = api.post(&format!("/api/jobs/{id}/cancel"), json!({})).await;
@@ -200,6 +203,20 @@ async fn bad_requests_get_clear_json_errors(backend: Backend) {
             "POST",
             "/api/jobs",
             Some(json!({"plugin": "noop", "key": "bad\nkey"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "group": "bad\u{0}group"})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            Some(json!({"plugin": "noop", "group": ""})),
             400,
             "invalid_request",
         ),

@@ -354,10 +354,31 @@ fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
     assert!(String::from_utf8_lossy(&too_big.stderr).contains("at most"));
     let bad_key = run(&["enqueue", "noop", "--payload", "{}", "--key", "tab\there"]);
     assert_eq!(bad_key.status.code(), Some(2), "invalid keys are refused");
+    // Two jobs of one group: both run, one after the other.
+    for _ in 0..2 {
+        ok(&run(&[
+            "enqueue",
+            "noop",
+            "--payload",
+            "{}",
+            "--group",
+            "order:9",
+        ]));
+    }
+    let bad_group = run(&["enqueue", "noop", "--payload", "{}", "--group", "tab\there"]);
+    assert_eq!(
+        bad_group.status.code(),
+        Some(2),
+        "invalid groups are refused"
+    );
+    assert!(
+        String::from_utf8_lossy(&bad_group.stderr).contains("group"),
+        "the refusal names the group"
+    );
 
     let summary: serde_json::Value =
         serde_json::from_str(&ok(&run(&["run", "--exit-when-drained"]))).unwrap();
-    assert_eq!(summary["worker"]["succeeded"], 2, "{summary}");
+    assert_eq!(summary["worker"]["succeeded"], 4, "{summary}");
     assert_eq!(summary["worker"]["dead"], 1, "{summary}");
     assert_eq!(
         summary["jobs"]["available"], 1,
@@ -397,7 +418,7 @@ fn drain_and_replay(dir: &std::path::Path, db: &[&str], provider_url: &str) {
     assert_eq!(summary["worker"]["succeeded"], 1, "{summary}");
     assert_eq!(summary["jobs"]["dead"], 0, "{summary}");
     let stats: serde_json::Value = serde_json::from_str(&ok(&run(&["stats"]))).unwrap();
-    assert_eq!(stats["succeeded"], 3);
+    assert_eq!(stats["succeeded"], 5);
     assert!(!scheduled.trim().is_empty());
 }
 

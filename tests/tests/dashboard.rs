@@ -133,13 +133,17 @@ async fn screenshot(client: &fantoccini::Client, name: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
     let h = Harness::new(Backend::Sqlite).await;
-    // A job that died of a provider's refusal, plus some history.
+    // A job that died of a provider's refusal (one of its invoice's group),
+    // plus some history.
     let dead = h
         .store
-        .job_insert(NewJob::new(
-            "send_invoice_email",
-            br#"{"invoice_id": 7, "recipient": "ana@example.com"}"#.to_vec(),
-        ))
+        .job_insert(NewJob {
+            group: Some("invoice:7".into()),
+            ..NewJob::new(
+                "send_invoice_email",
+                br#"{"invoice_id": 7, "recipient": "ana@example.com"}"#.to_vec(),
+            )
+        })
         .await
         .unwrap()
         .id;
@@ -242,6 +246,8 @@ async fn an_operator_signs_in_previews_and_replays_a_dead_job() {
         .unwrap();
     let state = wait_for(&client, "job-state").await.text().await.unwrap();
     assert_eq!(state, "dead");
+    let group = wait_for(&client, "job-group").await.text().await.unwrap();
+    assert_eq!(group, "invoice:7", "the job page shows the group");
     let timeline = wait_for(&client, "timeline").await.text().await.unwrap();
     assert!(timeline.contains("bad_request"), "{timeline}");
     screenshot(&client, "job-dead").await;

@@ -112,6 +112,12 @@ pub struct BenchArgs {
     /// of the others should not notice (issue 22). 0: none.
     #[arg(long, default_value_t = 0)]
     pub hostile_every: u32,
+    /// Burn-down: spread the jobs over this many groups (concurrency keys,
+    /// one job of a group running at a time), each job's group drawn by a
+    /// fixed hash of its number: the claim path with groups against the
+    /// plain one. 0: no groups.
+    #[arg(long, default_value_t = 0)]
+    pub groups: u32,
     /// `--plugin http`: call this provider (an `idem provider-server`
     /// another process runs, e.g. the one a peer's benchmark calls too)
     /// instead of a server inside this process.
@@ -412,6 +418,19 @@ fn bench_job(plugin: BenchPlugin, hostile_every: u32, i: u64) -> NewJob {
     }
 }
 
+/// The group of job `i` among `groups` (none when 0): a fixed hash of `i`
+/// (splitmix64), so every run interleaves the groups alike.
+fn bench_group(groups: u32, i: u64) -> Option<String> {
+    if groups == 0 {
+        return None;
+    }
+    let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    Some(format!("g{}", z % u64::from(groups)))
+}
+
 /// How many of the first `jobs` jobs [`bench_job`] makes hostile.
 fn hostile_count(jobs: u32, hostile_every: u32) -> u32 {
     jobs.checked_div(hostile_every).unwrap_or(0)
@@ -549,7 +568,10 @@ async fn measure(
         BenchMode::BurnDown => {
             let backlog = report.backlog;
             let jobs: Vec<NewJob> = (0..u64::from(args.jobs))
-                .map(|i| bench_job(args.plugin, args.hostile_every, i))
+                .map(|i| NewJob {
+                    group: bench_group(args.groups, i),
+                    ..bench_job(args.plugin, args.hostile_every, i)
+                })
                 .collect();
             let started = Instant::now();
             store.job_insert_many(jobs).await.map_err(runtime)?;

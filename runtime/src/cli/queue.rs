@@ -112,7 +112,8 @@ pub struct EnqueueArgs {
     /// Enqueue many jobs from NDJSON (one job per line, `-` for stdin) in
     /// batched transactions; prints one job id per line, in input order.
     /// Each line: {"plugin": .., "payload": {..}, "key": .., "queue": ..,
-    /// "delay": "30s", "priority": 0, "max_attempts": 5, "correlation_id": ..};
+    /// "delay": "30s", "priority": 0, "max_attempts": 5, "correlation_id": ..,
+    /// "group": ..};
     /// flags give the defaults. Every line is checked before anything is
     /// inserted.
     #[arg(long, conflicts_with_all = ["payload", "payload_file", "key"])]
@@ -138,6 +139,10 @@ pub struct EnqueueArgs {
     /// Correlation id for tracing across systems.
     #[arg(long)]
     pub correlation_id: Option<String>,
+    /// Group (concurrency key, e.g. `order:42`): at most one job of a group
+    /// runs at a time, in enqueue order; others of it wait.
+    #[arg(long)]
+    pub group: Option<String>,
 }
 
 /// `idem enqueue`: prints the job id (the existing one for a duplicate key).
@@ -191,6 +196,7 @@ pub async fn enqueue(
             .or(manifest_attempts)
             .unwrap_or(config.worker.max_attempts),
         correlation_id: args.correlation_id,
+        group: args.group,
     };
     // Refused before anything connects (or creates a database file).
     crate::store::check_new_job(&job).map_err(|e| CliError::Usage(e.to_string()))?;
@@ -228,6 +234,7 @@ struct BatchLine {
     priority: Option<i32>,
     max_attempts: Option<u32>,
     correlation_id: Option<String>,
+    group: Option<String>,
 }
 
 /// Jobs per transaction of `idem enqueue --batch`.
@@ -285,6 +292,7 @@ async fn enqueue_batch(
             correlation_id: parsed
                 .correlation_id
                 .or_else(|| args.correlation_id.clone()),
+            group: parsed.group.or_else(|| args.group.clone()),
         };
         crate::store::check_new_job(&job).map_err(|e| at(e.to_string()))?;
         jobs.push(job);

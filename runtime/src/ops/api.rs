@@ -433,6 +433,8 @@ pub struct EnqueueBody {
     priority: Option<i32>,
     max_attempts: Option<u32>,
     correlation_id: Option<String>,
+    /// Concurrency key: at most one job of a group runs at a time.
+    group: Option<String>,
 }
 
 fn new_job(state: &ApiState, body: EnqueueBody) -> Result<NewJob, String> {
@@ -456,6 +458,7 @@ fn new_job(state: &ApiState, body: EnqueueBody) -> Result<NewJob, String> {
             .unwrap_or(state.default_max_attempts),
         correlation_id: body.correlation_id,
         plugin: body.plugin,
+        group: body.group,
     };
     crate::store::check_new_job(&job).map_err(|e| e.to_string())?;
     Ok(job)

@@ -491,7 +491,8 @@ async fn job(State(state): State<ApiState>, path: Result<Path<String>, PathRejec
     let mut body = format!(
         "<h1>Job {id} <span id=\"job-state\">{}</span></h1><table><tr><th>Plugin</th><td>{}</td><th>Queue</th><td>{}</td></tr>\
          <tr><th>Attempts</th><td>{}/{}</td><th>Key</th><td>{}</td></tr>\
-         <tr><th>Correlation id</th><td>{}</td><th>Rescues</th><td>{}</td></tr></table>",
+         <tr><th>Correlation id</th><td>{}</td><th>Rescues</th><td>{}</td></tr>\
+         <tr><th>Group</th><td id=\"job-group\">{}</td><th></th><td></td></tr></table>",
         pill(detail["state"].as_str().unwrap_or("-")),
         text(&detail["plugin"]),
         text(&detail["queue"]),
@@ -500,6 +501,7 @@ async fn job(State(state): State<ApiState>, path: Result<Path<String>, PathRejec
         text(&detail["idempotency_key"]),
         text(&detail["correlation_id"]),
         detail["rescues"],
+        text(&detail["group"]),
     );
     if detail["state"] == "dead" {
         let _ = write!(

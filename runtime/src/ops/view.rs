@@ -222,6 +222,7 @@ pub fn job_summary(job: &Job) -> Value {
         "plugin": job.plugin,
         "idempotency_key": job.idempotency_key,
         "correlation_id": job.correlation_id,
+        "group": job.group,
         "attempt": job.attempt,
         "max_attempts": job.max_attempts,
         "priority": job.priority,

@@ -1106,6 +1106,7 @@ impl Executor {
                 .and_then(|p| p.manifest.max_attempts)
                 .unwrap_or(self.child_max_attempts),
             correlation_id: Some(job.correlation_id.clone()),
+            group: None,
         })
     }
 
@@ -1376,6 +1377,7 @@ mod review_tests {
             last_error_message: None,
             errors: Vec::new(),
             correlation_id: "c".into(),
+            group: None,
             plugin_hash: None,
             plan: None,
             plan_hash: None,

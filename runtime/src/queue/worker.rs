@@ -629,6 +629,11 @@ impl Worker {
 
     /// The attempt is over: counted, and its hold on the job let go.
     fn let_go(&self, outcome: Outcome) {
+        if outcome.job.group.is_some() {
+            // The next job of its group may be claimable now, and no
+            // insert announces it.
+            self.store.wake_claimers();
+        }
         metrics::job_finished(
             &outcome.job.plugin,
             outcome.label,

@@ -62,6 +62,9 @@ pub struct Schedule {
     pub missed: Missed,
     /// With `missed = "all"`: most missed ticks enqueued one by one.
     pub catch_up_limit: u32,
+    /// The jobs' group, if any: with one, a tick's job waits for the one
+    /// before it to finish (a long run never overlaps the next).
+    pub group: Option<String>,
     parsed: croner::Cron,
     zone: Zone,
 }
@@ -84,6 +87,8 @@ struct ScheduleToml {
     missed: Missed,
     #[serde(default = "default_catch_up_limit")]
     catch_up_limit: u32,
+    #[serde(default)]
+    group: Option<String>,
 }
 
 fn utc() -> String {
@@ -157,6 +162,7 @@ impl TryFrom<ScheduleToml> for Schedule {
             payload,
             missed: t.missed,
             catch_up_limit: t.catch_up_limit,
+            group: t.group.clone(),
             parsed,
             zone,
         };
@@ -210,6 +216,7 @@ impl Schedule {
             queue: self.queue.clone(),
             max_attempts,
             idempotency_key: Some(crate::store::schedule_key(&self.name, tick_ms)),
+            group: self.group.clone(),
             ..NewJob::new(self.plugin.clone(), self.payload.clone())
         }
     }
@@ -260,6 +267,24 @@ mod tests {
                 crate::store::rfc3339(at)
             })
             .collect()
+    }
+
+    #[test]
+    fn a_schedule_may_group_its_jobs_and_a_bad_group_is_refused() {
+        let grouped: Schedule = toml::from_str(
+            "name = \"sync\"\ncron = \"* * * * *\"\nplugin = \"p\"\ngroup = \"sync\"",
+        )
+        .expect("schedule");
+        assert_eq!(grouped.job(0, 3).group.as_deref(), Some("sync"));
+        let plain: Schedule =
+            toml::from_str("name = \"sync\"\ncron = \"* * * * *\"\nplugin = \"p\"")
+                .expect("schedule");
+        assert_eq!(plain.job(0, 3).group, None);
+        let bad = toml::from_str::<Schedule>(
+            "name = \"sync\"\ncron = \"* * * * *\"\nplugin = \"p\"\ngroup = \"tab\\there\"",
+        )
+        .expect_err("a group with a tab is refused");
+        assert!(bad.to_string().contains("group"), "{bad}");
     }
 
     #[test]

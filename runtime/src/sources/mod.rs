@@ -82,6 +82,13 @@ pub struct SourceConfig {
     /// plugin whose message ids may coincide keep apart.
     #[serde(default)]
     pub key_prefix: Option<String>,
+    /// Where a message's group (concurrency key) is read, as `key`:
+    /// `header:NAME` or `json:/pointer`; jobs of one group run one at a
+    /// time, in the order their messages arrived. A message without one is
+    /// kept dead on arrival (`message_group_missing`): running it outside
+    /// its group would break the promise.
+    #[serde(default)]
+    pub group: Option<String>,
     /// The idem queue of the jobs (default `default`).
     #[serde(default)]
     pub job_queue: Option<String>,
@@ -125,6 +132,16 @@ impl SourceConfig {
         })
     }
 
+    /// The group rule, if the table sets one.
+    pub fn group_rule(&self) -> Result<Option<KeyRule>, String> {
+        self.group
+            .as_deref()
+            .map(|text| {
+                KeyRule::parse(text).map_err(|e| format!("source {:?}: group: {e}", self.name()))
+            })
+            .transpose()
+    }
+
     /// Checks the table before anything connects.
     pub fn check(&self) -> Result<KeyRule, String> {
         let name = self.name();
@@ -154,6 +171,7 @@ impl SourceConfig {
                 self.batch, self.prefetch
             ));
         }
+        self.group_rule()?;
         KeyRule::parse(&self.key).map_err(|e| format!("source {name:?}: key: {e}"))
     }
 }
@@ -196,35 +214,27 @@ impl KeyRule {
         ))
     }
 
+    /// The group of a message, or the code and reason it has none usable
+    /// (a group follows the key's rule).
+    pub fn group_of(&self, message: &Incoming) -> Result<String, (Code, String)> {
+        let Some(group) = self.found(message).filter(|g| !g.is_empty()) else {
+            return Err((
+                Code::MessageGroupMissing,
+                format!("the message has no group under the rule {self}"),
+            ));
+        };
+        crate::boundary::group_key(&group).map_err(|refused| {
+            (
+                Code::MessageGroupInvalid,
+                format!("the message's group is not usable: {refused}"),
+            )
+        })?;
+        Ok(group)
+    }
+
     /// The key of a message, or the code and reason it has none usable.
     pub fn key_of(&self, message: &Incoming) -> Result<String, (Code, String)> {
-        let found = match self {
-            KeyRule::MessageId => message.message_id.clone(),
-            // The exact spelling first, so a message carrying two spellings
-            // gets the same key in every process.
-            KeyRule::Header(name) => message
-                .headers
-                .iter()
-                .find(|(h, _)| h == name)
-                .or_else(|| {
-                    message
-                        .headers
-                        .iter()
-                        .find(|(h, _)| h.eq_ignore_ascii_case(name))
-                })
-                .map(|(_, v)| v.clone()),
-            KeyRule::Json(pointer) => serde_json::from_slice::<serde_json::Value>(&message.payload)
-                .ok()
-                .and_then(|body| match body.pointer(pointer) {
-                    Some(serde_json::Value::String(s)) => Some(s.clone()),
-                    // Integers only: a float renders ambiguously (7 and 7.0).
-                    Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
-                        Some(n.to_string())
-                    }
-                    _ => None,
-                }),
-        };
-        let Some(key) = found.filter(|k| !k.is_empty()) else {
+        let Some(key) = self.found(message).filter(|k| !k.is_empty()) else {
             return Err((
                 Code::MessageKeyMissing,
                 format!("the message has no key under the rule {self}"),
@@ -249,6 +259,36 @@ impl KeyRule {
             )
         })?;
         Ok(key)
+    }
+
+    /// What the rule finds in a message, unchecked.
+    fn found(&self, message: &Incoming) -> Option<String> {
+        match self {
+            KeyRule::MessageId => message.message_id.clone(),
+            // The exact spelling first, so a message carrying two spellings
+            // gets the same key in every process.
+            KeyRule::Header(name) => message
+                .headers
+                .iter()
+                .find(|(h, _)| h == name)
+                .or_else(|| {
+                    message
+                        .headers
+                        .iter()
+                        .find(|(h, _)| h.eq_ignore_ascii_case(name))
+                })
+                .map(|(_, v)| v.clone()),
+            KeyRule::Json(pointer) => serde_json::from_slice::<serde_json::Value>(&message.payload)
+                .ok()
+                .and_then(|body| match body.pointer(pointer) {
+                    Some(serde_json::Value::String(s)) => Some(s.clone()),
+                    // Integers only: a float renders ambiguously (7 and 7.0).
+                    Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                        Some(n.to_string())
+                    }
+                    _ => None,
+                }),
+        }
     }
 }
 
@@ -291,6 +331,8 @@ pub struct Source {
     pub config: SourceConfig,
     /// Its key rule.
     pub rule: KeyRule,
+    /// Its group rule, if its jobs are grouped.
+    pub group_rule: Option<KeyRule>,
     /// Its name.
     pub name: String,
     /// Attempts of its jobs.
@@ -305,6 +347,7 @@ impl Source {
             name: config.name(),
             max_attempts: config.max_attempts.unwrap_or(default_attempts),
             rule,
+            group_rule: config.group_rule()?,
             config,
         })
     }
@@ -323,6 +366,7 @@ impl Source {
             priority: 0,
             delay: Duration::ZERO,
             max_attempts: self.max_attempts.max(1),
+            group: None,
         }
     }
 }
@@ -346,9 +390,17 @@ pub async fn ingest(
                 None => key,
             })
             .and_then(checked_key);
-        match key {
-            Ok(key) => {
-                let job = source.job(message.payload.clone(), Some(key.clone()));
+        // A grouped source's message must name its group.
+        let key_and_group = key.and_then(|key| match &source.group_rule {
+            Some(rule) => rule.group_of(message).map(|group| (key, Some(group))),
+            None => Ok((key, None)),
+        });
+        match key_and_group {
+            Ok((key, group)) => {
+                let job = NewJob {
+                    group,
+                    ..source.job(message.payload.clone(), Some(key.clone()))
+                };
                 if message.payload.len() > crate::store::MAX_PAYLOAD_BYTES {
                     dead.push((
                         oversized(
@@ -563,6 +615,70 @@ mod tests {
                 .map(|(a, b)| (a.to_string(), b.to_string()))
                 .collect(),
         }
+    }
+
+    #[tokio::test]
+    async fn a_grouped_source_gives_each_job_its_group_and_keeps_one_without_dead() {
+        use crate::store::{JobFilter, JobState};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", dir.path().join("s.db").display());
+        let store = crate::store::sqlite::connect(&url, crate::store::Clock::Adjustable)
+            .await
+            .expect("store");
+        let config: SourceConfig = toml::from_str(
+            "kind = \"amqp\"\nurl = \"amqp://127.0.0.1\"\nqueue = \"orders\"\n\
+             plugin = \"order_sync\"\nkey = \"message_id\"\ngroup = \"json:/order_id\"\n",
+        )
+        .expect("config");
+        let source = Source::new(config, 5).expect("source");
+        let batch = [
+            message(r#"{"order_id": 7}"#, Some("m-1"), &[]),
+            message(r#"{"order_id": "bad\u0000id"}"#, Some("m-2"), &[]),
+            message(r#"{"other": 1}"#, Some("m-3"), &[]),
+        ];
+        let report = ingest(&store, &source, &batch).await.expect("ingest");
+        assert_eq!(
+            report,
+            Ingested {
+                inserted: 1,
+                duplicates: 0,
+                dead_on_arrival: 2
+            }
+        );
+        let jobs = store
+            .job_list(JobFilter {
+                states: vec![],
+                plugin: None,
+                error_code: None,
+                ids: vec![],
+                queue: None,
+                before: None,
+                limit: 0,
+            })
+            .await
+            .expect("list");
+        let of = |key: &str| {
+            jobs.iter()
+                .find(|j| j.correlation_id == key)
+                .unwrap_or_else(|| panic!("a job for {key}"))
+        };
+        assert_eq!(of("m-1").group.as_deref(), Some("7"));
+        assert_eq!(of("m-1").state, JobState::Available);
+        for code in ["message_group_invalid", "message_group_missing"] {
+            let dead: Vec<_> = jobs
+                .iter()
+                .filter(|j| j.last_error_code.as_deref() == Some(code))
+                .collect();
+            assert_eq!(dead.len(), 1, "{code}");
+            assert_eq!(dead[0].state, JobState::Dead, "{code}");
+        }
+        // A group rule that cannot parse stops the source at start.
+        let bad: SourceConfig = toml::from_str(
+            "kind = \"amqp\"\nurl = \"amqp://127.0.0.1\"\nqueue = \"orders\"\n\
+             plugin = \"order_sync\"\nkey = \"message_id\"\ngroup = \"body\"\n",
+        )
+        .expect("config");
+        assert!(Source::new(bad, 5).unwrap_err().contains("group"));
     }
 
     #[test]

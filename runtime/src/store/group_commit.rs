@@ -708,6 +708,10 @@ impl Store for GroupCommit {
         self.inner.wait_for_jobs(timeout).await
     }
 
+    fn wake_claimers(&self) {
+        self.inner.wake_claimers();
+    }
+
     async fn clock_advance(&self, by: Duration) -> Result<()> {
         self.inner.clock_advance(by).await
     }

@@ -27,6 +27,7 @@ pub(crate) struct Insertable {
     pub delay_ms: i64,
     pub max_attempts: i64,
     pub correlation_id: String,
+    pub group: Option<String>,
 }
 
 /// Validates a job and fills in the generated fields.
@@ -50,6 +51,9 @@ pub(crate) fn insertable(job: NewJob) -> Result<Insertable> {
     if let Some(key) = &job.idempotency_key {
         check_key(key)?;
     }
+    if let Some(group) = &job.group {
+        crate::boundary::group_key(group).map_err(|r| refused("group", r))?;
+    }
     let correlation_id = match job.correlation_id {
         Some(id) => {
             crate::boundary::correlation_id(&id).map_err(|r| refused("correlation id", r))?;
@@ -66,6 +70,7 @@ pub(crate) fn insertable(job: NewJob) -> Result<Insertable> {
         delay_ms: millis(job.delay),
         max_attempts: i64::from(job.max_attempts),
         correlation_id,
+        group: job.group,
     })
 }
 

@@ -37,6 +37,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     8 => "0008_redact_error_urls.sql",
     9 => "0009_effect_tries.sql",
     10 => "0010_schedules.sql",
+    11 => "0011_groups.sql",
 );
 
 /// The PostgreSQL schema.
@@ -52,6 +53,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     9 => "0009_redact_error_urls.sql",
     10 => "0010_effect_tries.sql",
     11 => "0011_schedules.sql",
+    12 => "0012_groups.sql",
 );
 
 impl Embedded {

@@ -208,6 +208,14 @@ pub trait Store: Send + Sync + 'static {
     /// Waits until a job may be available (a notification) or `timeout`.
     async fn wait_for_jobs(&self, timeout: Duration);
 
+    /// Wakes this process's waiters in [`Store::wait_for_jobs`]: a job may
+    /// have become claimable without an insert (the next job of a group,
+    /// once its head finished). Other processes learn it from the
+    /// database (PostgreSQL: the `groups` migration's trigger) or their poll.
+    ///
+    /// `store.wake_claimers();`
+    fn wake_claimers(&self);
+
     /// Moves the store's clock forward: leases expire and scheduled jobs
     /// come due as if `by` had passed. For tests; refused
     /// ([`StoreError::Invalid`]) unless the store was opened with

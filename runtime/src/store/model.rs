@@ -82,6 +82,9 @@ pub struct NewJob {
     pub max_attempts: u32,
     /// Correlation id (generated when absent).
     pub correlation_id: Option<String>,
+    /// Concurrency key (e.g. an order id): at most one job of a group runs
+    /// at a time, in enqueue order; `None` runs whenever a worker is free.
+    pub group: Option<String>,
 }
 
 impl NewJob {
@@ -101,6 +104,7 @@ impl NewJob {
             delay: Duration::ZERO,
             max_attempts: 10,
             correlation_id: None,
+            group: None,
         }
     }
 }
@@ -166,6 +170,8 @@ pub struct Job {
     pub errors: Vec<ErrorRecord>,
     /// Correlation id.
     pub correlation_id: String,
+    /// Concurrency key: at most one job of the group runs at a time.
+    pub group: Option<String>,
     /// Content hash of the plugin version of the last attempt.
     pub plugin_hash: Option<String>,
     /// The persisted effect plan (JSON), once the plugin returned one.

@@ -12,7 +12,7 @@ const JOB_COLS: &str = "id, queue, plugin, payload, idempotency_key, priority, r
     attempt, max_attempts, lease_owner, lease_until, heartbeat_at, last_error_code, \
     last_error_message, {errors} AS errors, correlation_id, plugin_hash, plan, plan_hash, rescues, \
     started, unstarted_rescues, created_at, updated_at, finished_at, first_failed_at, last_failed_at, deferred_since, \
-    interruptions";
+    interruptions, group_key";
 
 const EFFECT_COLS: &str = "key, job_id, plugin, provider, fingerprint, status, attempt, \
     lease_owner, lease_until, result_ref, last_error_code, last_error_at, created_at, updated_at, \
@@ -27,6 +27,19 @@ const KEY_CONFLICT: &str = "(plugin, idempotency_key) WHERE idempotency_key IS N
 /// The fence of a batched job write against the row set `t`.
 const JOB_FENCE: &str = "{job_ids}jobs.id = t.id AND {job_running} \
     AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt";
+
+/// A grouped job may be claimed when it is its group's head and its group
+/// has nothing running: no job of the group is running, and none waits with
+/// a lower id (enqueue order; a retrying job keeps its place, a delayed one
+/// holds the jobs after it). Each part reads one partial index of
+/// migration `groups`. Snapshots of concurrent PostgreSQL claims can
+/// disagree on a group's head (a job committed late with a lower id, a
+/// replayed dead job); the unique index `jobs_group_running` refuses the
+/// second job of a group marked running, and that claim runs again.
+const GROUP_HEAD_FREE: &str = "NOT EXISTS (SELECT 1 FROM jobs g \
+        WHERE g.group_key = jobs.group_key AND g.state = 'running') \
+    AND NOT EXISTS (SELECT 1 FROM jobs g WHERE g.group_key = jobs.group_key \
+        AND g.state IN ('available', 'retrying') AND g.id < jobs.id)";
 
 /// The fence of a batched effect write against the row set `t`.
 const EFFECT_FENCE: &str = "{effect_keys}effects.key = t.key AND effects.lease_owner = t.owner \
@@ -48,7 +61,7 @@ const FENCE_COLS: [(&str, ColType); 3] = [("id", Int), ("owner", Text), ("attemp
 const EFFECT_FENCE_COLS: [(&str, ColType); 3] = [("key", Text), ("owner", Text), ("attempt", Int)];
 
 /// Columns of a job to insert, in row-set order.
-pub(crate) const INSERT_COLS: [(&str, ColType); 8] = [
+pub(crate) const INSERT_COLS: [(&str, ColType); 9] = [
     ("queue", Text),
     ("plugin", Text),
     ("payload", Bytes),
@@ -57,6 +70,7 @@ pub(crate) const INSERT_COLS: [(&str, ColType); 8] = [
     ("delay_ms", Int),
     ("max_attempts", Int),
     ("correlation_id", Text),
+    ("group_key", Text),
 ];
 
 /// The statements of one store, expanded for its dialect and clock.
@@ -174,9 +188,9 @@ impl Queries {
         let insert_rows = |tail: &str| {
             x(&format!(
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
-                     state, max_attempts, correlation_id, created_at, updated_at) \
+                     state, max_attempts, correlation_id, group_key, created_at, updated_at) \
                  SELECT t.queue, t.plugin, t.payload, t.idem_key, t.priority, {{now}} + t.delay_ms, \
-                     'available', t.max_attempts, t.correlation_id, {{now}}, {{now}} \
+                     'available', t.max_attempts, t.correlation_id, t.group_key, {{now}}, {{now}} \
                  FROM {rows} WHERE true ORDER BY t.ord {tail}",
                 rows = (d.rows)(&INSERT_COLS),
             ))
@@ -245,8 +259,9 @@ impl Queries {
         Queries {
             job_insert: x(
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, \
-                     run_at, state, max_attempts, correlation_id, created_at, updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, {now} + $6, 'available', $7, $8, {now}, {now}) \
+                     run_at, state, max_attempts, correlation_id, group_key, created_at, \
+                     updated_at) \
+                 VALUES ($1, $2, $3, $4, $5, {now} + $6, 'available', $7, $8, $9, {now}, {now}) \
                  ON CONFLICT {key_conflict} DO NOTHING \
                  RETURNING id",
             ),
@@ -297,10 +312,13 @@ impl Queries {
                  RETURNING {{job_cols}}",
                 picked = (d.ids_in)(
                     "id",
-                    "SELECT id FROM jobs \
-                     WHERE queue = $3 AND state IN ('available', 'retrying') AND run_at <= {now} \
-                     ORDER BY priority DESC, run_at, id \
-                     LIMIT $4 {skip_locked}"
+                    &format!(
+                        "SELECT id FROM jobs \
+                         WHERE queue = $3 AND state IN ('available', 'retrying') \
+                           AND run_at <= {{now}} AND (group_key IS NULL OR ({GROUP_HEAD_FREE})) \
+                         ORDER BY priority DESC, run_at, id \
+                         LIMIT $4 {{skip_locked}}"
+                    )
                 ),
             )),
             running_in_queue: x("SELECT count(*) FROM jobs WHERE state = 'running' AND queue = $1"),

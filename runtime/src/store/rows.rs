@@ -74,6 +74,7 @@ where
         last_error_message: get(row, "last_error_message")?,
         errors,
         correlation_id: get(row, "correlation_id")?,
+        group: get(row, "group_key")?,
         plugin_hash: get(row, "plugin_hash")?,
         plan: get(row, "plan")?,
         plan_hash: get(row, "plan_hash")?,

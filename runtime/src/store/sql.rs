@@ -48,6 +48,26 @@ macro_rules! with_db {
     };
 }
 
+/// Times a claim runs again after meeting another claim of the same group.
+const CLAIM_TRIES: u32 = 5;
+
+/// Whether a claim failed because another claim marked a job of the same
+/// group running first (`jobs_group_running`), or deadlocked with one
+/// (two claims, each waiting on the other's group entry): nothing was
+/// claimed, and the next snapshot sees the other claim.
+fn group_contention(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else {
+        return false;
+    };
+    match db.code().as_deref() {
+        Some("23505") => db.constraint() == Some("jobs_group_running"),
+        Some("40P01") => true,
+        // SQLITE_CONSTRAINT_UNIQUE names the index's columns.
+        Some("2067") => db.message().contains("jobs.group_key"),
+        _ => false,
+    }
+}
+
 /// Inserts one checked job on a connection; returns the existing job for a
 /// duplicate (plugin, key). Expands in place so it works on every
 /// backend's connection type.
@@ -67,6 +87,7 @@ macro_rules! insert_one {
                     .bind(job.delay_ms)
                     .bind(job.max_attempts)
                     .bind(&job.correlation_id)
+                    .bind(&job.group)
                     .fetch_optional(&mut *conn)
                     .await?;
                 if let Some(id) = id {
@@ -285,6 +306,46 @@ impl SqlStore {
             inserted: false,
         })
     }
+
+    /// One claim in one transaction (see [`Store::job_claim`]).
+    async fn job_claim_once(&self, params: &ClaimParams) -> Result<Vec<Job>> {
+        let jobs: Vec<Job> = with_db!(self, |_read, write| {
+            let mut tx = write.begin_claim().await?;
+            let mut limit = i64::from(params.limit);
+            if let Some(max) = params.queue_concurrency {
+                // Claimers of this queue take turns here, so the count sees
+                // every committed claim before this one.
+                tx.lock_queue(&params.queue).await?;
+                let running: i64 = sqlx::query_scalar(&self.q.running_in_queue)
+                    .bind(&params.queue)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                limit = limit.min(i64::from(max) - running);
+            }
+            if limit <= 0 {
+                tx.rollback().await?;
+                Vec::new()
+            } else {
+                let rows = sqlx::query(&self.q.job_claim)
+                    .bind(&params.worker)
+                    .bind(input::millis(params.lease))
+                    .bind(&params.queue)
+                    .bind(limit)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                // Decoded before the commit: an unreadable row rolls the
+                // claim back instead of leaving jobs running that nobody
+                // works on.
+                let jobs = rows
+                    .iter()
+                    .map(rows::job_from_row)
+                    .collect::<Result<Vec<_>>>()?;
+                tx.commit().await?;
+                jobs
+            }
+        });
+        Ok(jobs)
+    }
 }
 
 #[async_trait::async_trait]
@@ -437,41 +498,19 @@ impl Store for SqlStore {
         if params.limit == 0 {
             return Ok(Vec::new());
         }
-        let mut jobs: Vec<Job> = with_db!(self, |_read, write| {
-            let mut tx = write.begin_claim().await?;
-            let mut limit = i64::from(params.limit);
-            if let Some(max) = params.queue_concurrency {
-                // Claimers of this queue take turns here, so the count sees
-                // every committed claim before this one.
-                tx.lock_queue(&params.queue).await?;
-                let running: i64 = sqlx::query_scalar(&self.q.running_in_queue)
-                    .bind(&params.queue)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                limit = limit.min(i64::from(max) - running);
+        // A claim refused because another claim marked a job of the same
+        // group running meanwhile (see `GROUP_HEAD_FREE`) claimed nothing:
+        // it runs again on a fresh snapshot, which sees that job running.
+        let mut tries = 0;
+        let mut jobs = loop {
+            match self.job_claim_once(&params).await {
+                Err(StoreError::Database(e)) if tries < CLAIM_TRIES && group_contention(&e) => {
+                    tries += 1;
+                    tracing::debug!(error = %e, tries, "claim met another claim of a group; claiming again");
+                }
+                other => break other?,
             }
-            if limit <= 0 {
-                tx.rollback().await?;
-                Vec::new()
-            } else {
-                let rows = sqlx::query(&self.q.job_claim)
-                    .bind(&params.worker)
-                    .bind(input::millis(params.lease))
-                    .bind(&params.queue)
-                    .bind(limit)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                // Decoded before the commit: an unreadable row rolls the
-                // claim back instead of leaving jobs running that nobody
-                // works on.
-                let jobs = rows
-                    .iter()
-                    .map(rows::job_from_row)
-                    .collect::<Result<Vec<_>>>()?;
-                tx.commit().await?;
-                jobs
-            }
-        });
+        };
         // RETURNING has no defined order.
         jobs.sort_by(|a, b| {
             b.priority
@@ -1436,6 +1475,10 @@ impl Store for SqlStore {
         let _ = tokio::time::timeout(timeout, self.notify.notified()).await;
     }
 
+    fn wake_claimers(&self) {
+        wake(&self.notify);
+    }
+
     async fn session_create(&self, session: NewSession) -> Result<Session> {
         input::check_session(&session)?;
         with_db!(self, |_read, write| {
@@ -1603,6 +1646,7 @@ fn insert_row_set(jobs: &[&Insertable]) -> RowSet {
         .ints(jobs.iter().map(|j| j.delay_ms))
         .ints(jobs.iter().map(|j| j.max_attempts))
         .texts(jobs.iter().map(|j| j.correlation_id.clone()))
+        .opt_texts(jobs.iter().map(|j| j.group.clone()))
 }
 
 /// Ids found for a chunk of inserted jobs.
@@ -2378,5 +2422,83 @@ mod postgres_plans {
                 .await;
         }
         assert!(wrong.is_empty(), "{wrong:#?}");
+    }
+}
+
+#[cfg(test)]
+mod group_fence {
+    //! The database itself refuses a second running job of a group (the
+    //! guard for claims whose snapshots disagree on a group's head), and
+    //! the claim recognises that refusal as contention to claim again.
+    use super::*;
+
+    fn grouped(group: &str) -> NewJob {
+        NewJob {
+            group: Some(group.into()),
+            ..NewJob::new("g", b"{}".to_vec())
+        }
+    }
+
+    /// Two jobs of one group, the first claimed: marking the second running
+    /// by hand must fail on `jobs_group_running`.
+    async fn second_running_is_refused(store: &SqlStore) -> sqlx::Error {
+        let first = store.job_insert(grouped("order:1")).await.expect("insert");
+        let second = store.job_insert(grouped("order:1")).await.expect("insert");
+        let other = store.job_insert(grouped("order:2")).await.expect("insert");
+        let claimed = store
+            .job_claim(ClaimParams {
+                queue: "default".into(),
+                worker: "w".into(),
+                limit: 10,
+                lease: Duration::from_secs(60),
+                queue_concurrency: None,
+            })
+            .await
+            .expect("claim");
+        let mut ids: Vec<JobId> = claimed.iter().map(|j| j.id).collect();
+        ids.sort();
+        assert_eq!(ids, vec![first.id, other.id]);
+        let mark = "UPDATE jobs SET state = 'running' WHERE id = $1";
+        let refused = match &store.pools {
+            Pools::Sqlite { write, .. } => sqlx::query(mark)
+                .bind(second.id.0)
+                .execute(write)
+                .await
+                .map(|_| ()),
+            Pools::Postgres(pool) => sqlx::query(mark)
+                .bind(second.id.0)
+                .execute(pool)
+                .await
+                .map(|_| ()),
+        };
+        refused.expect_err("a second running job of a group is refused")
+    }
+
+    #[tokio::test]
+    async fn sqlite_refuses_a_second_running_job_of_a_group() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let store = super::super::sqlite::connect(&url, Clock::Adjustable)
+            .await
+            .expect("a SQLite store");
+        let error = second_running_is_refused(&store).await;
+        assert!(group_contention(&error), "{error}");
+    }
+
+    #[tokio::test]
+    async fn postgres_refuses_a_second_running_job_of_a_group() {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string());
+        let schema = format!("idem_groups_{}", hex::encode(rand::random::<[u8; 6]>()));
+        let store = super::super::postgres::connect_with_schema(&url, &schema, Clock::Database)
+            .await
+            .expect("a PostgreSQL store");
+        let error = second_running_is_refused(&store).await;
+        let pool = store.postgres_pool().expect("PostgreSQL").clone();
+        drop(store);
+        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+            .execute(&pool)
+            .await;
+        assert!(group_contention(&error), "{error}");
     }
 }

@@ -14,6 +14,7 @@ pub async fn insert_roundtrip(store: Arc<dyn Store>) {
         delay: Duration::ZERO,
         max_attempts: 5,
         correlation_id: Some("corr-42".into()),
+        group: None,
     };
     let enqueued = store.job_insert(new.clone()).await.unwrap();
     assert!(enqueued.inserted);

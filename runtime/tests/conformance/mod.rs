@@ -16,6 +16,7 @@
 //! - [`statements`]: `sql` effects on the store's own database.
 //! - [`sessions`]: dashboard sessions (expiry, sign-out, token change).
 //! - [`schedules`]: schedule ticks, once each across callers.
+//! - [`groups`]: one job of a group at a time, in enqueue order.
 //! - [`model`]: random interleavings of the job state machine against a
 //!   reference model.
 
@@ -23,6 +24,7 @@ pub mod batch;
 pub mod claim;
 pub mod dlq;
 pub mod effects;
+pub mod groups;
 pub mod insert;
 pub mod lifecycle;
 pub mod model;
@@ -169,6 +171,13 @@ macro_rules! conformance_suite {
             schedules::schedule_tick_race_enqueues_one_job,
             schedules::schedule_tick_never_comes_back_after_pruning,
             schedules::clock_now_is_the_store_clock,
+            groups::groups_run_one_at_a_time_in_enqueue_order,
+            groups::group_head_retrying_keeps_its_place_and_a_dead_one_lets_the_next_go,
+            groups::group_head_rescued_keeps_its_place_and_a_cancelled_one_lets_the_next_go,
+            groups::group_priority_orders_groups_not_the_jobs_inside,
+            groups::group_replayed_job_waits_for_the_running_one,
+            groups::group_is_checked_at_insert,
+            groups::group_claim_race_never_runs_two_of_a_group,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
