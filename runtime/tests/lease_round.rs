@@ -41,6 +41,7 @@ async fn one_refused_heartbeat_keeps_every_other_lease_from_being_extended() {
                     limit: 2,
                     lease: Duration::from_secs(30),
                     queue_concurrency: None,
+                    max_attempts: Default::default(),
                 })
                 .await
                 .unwrap();

@@ -101,6 +101,7 @@ async fn round_trips(store: &Arc<dyn Store>, batch: u32, rounds: u64, finish: Fi
                 limit: batch,
                 lease: Duration::from_secs(30),
                 queue_concurrency: None,
+                max_attempts: Default::default(),
             })
             .await
             .expect("claim");
@@ -251,6 +252,7 @@ async fn effect_round_trips(
                 limit: batch,
                 lease: Duration::from_secs(30),
                 queue_concurrency: None,
+                max_attempts: Default::default(),
             })
             .await
             .expect("claim");

@@ -705,6 +705,7 @@ fn dead_in_doubt() -> (tempfile::TempDir, String, idem::store::JobId) {
                 limit: 1,
                 lease: Duration::from_secs(60),
                 queue_concurrency: None,
+                max_attempts: Default::default(),
             })
             .await
             .unwrap()

@@ -382,6 +382,7 @@ async fn two_workers_on_the_same_job_at_once_carry_the_effect_out_once(backend: 
         limit: 1,
         lease: Duration::from_secs(10),
         queue_concurrency: None,
+        max_attempts: Default::default(),
     };
     let job = h.store.job_claim(claim("a")).await.unwrap().remove(0);
     let plan = vec![Effect {
@@ -589,6 +590,7 @@ async fn ghost_sent(h: &Harness, effect: &Effect, lease: Duration) -> Job {
             limit: 1,
             lease,
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()
@@ -744,6 +746,7 @@ async fn a_job_deferred_longer_than_max_deferral_is_dead_lettered(backend: Backe
             limit: 1,
             lease: Duration::from_secs(36_000),
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()
@@ -829,6 +832,7 @@ async fn ghost_plan_of(h: &Harness, plan: &[Effect]) -> idem::store::JobId {
             limit: 1,
             lease: Duration::from_secs(60),
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()
@@ -871,6 +875,7 @@ async fn claim_as_an_older_release(
             limit: 1,
             lease: Duration::from_secs(60),
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()
@@ -1214,7 +1219,7 @@ async fn a_child_job_gets_the_attempts_of_its_plugins_manifest(backend: Backend)
     let children = noop_jobs(&h).await;
     assert_eq!(children.len(), 2);
     for child in children {
-        assert_eq!(child.max_attempts, 7, "child {}", child.id);
+        assert_eq!(child.max_attempts, Some(7), "child {}", child.id);
     }
 }
 

@@ -259,6 +259,7 @@ async fn a_stored_plan_that_dies_in_its_effect_charges_the_attempt(backend: Back
             limit: 1,
             lease: Duration::from_secs(60),
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()

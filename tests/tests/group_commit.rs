@@ -31,6 +31,7 @@ async fn running_jobs(store: &Arc<dyn Store>, n: u32) -> Vec<Job> {
             limit: n,
             lease: LEASE,
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap();

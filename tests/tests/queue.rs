@@ -209,6 +209,7 @@ async fn an_expired_lease_is_rescued_and_the_stale_holder_is_fenced_out(backend:
             limit: 1,
             lease: Duration::from_secs(30),
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()

@@ -188,6 +188,7 @@ async fn claim_jobs(store: &Arc<dyn Store>, worker: &str, limit: u32, lease: Dur
             limit,
             lease,
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()

@@ -77,6 +77,7 @@ async fn claim(h: &Harness, worker: &str, lease_s: u64) -> Job {
             limit: 1,
             lease: Duration::from_secs(lease_s),
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()
@@ -100,6 +101,7 @@ async fn held_blocker(h: &Harness, id: u64, worker: &str) -> Job {
             limit: 1,
             lease: Duration::from_secs(60),
             queue_concurrency: None,
+            max_attempts: Default::default(),
         })
         .await
         .unwrap()

@@ -120,7 +120,11 @@ async fn list(
             job.id,
             printable(&job.plugin),
             printable(job.last_error_code.as_deref().unwrap_or("-")),
-            format!("{}/{}", job.attempt, job.max_attempts),
+            format!(
+                "{}/{}",
+                job.attempt,
+                job.max_attempts.map_or("-".into(), |n| n.to_string())
+            ),
             printable(job.idempotency_key.as_deref().unwrap_or("-")),
             job.last_failed_at_ms
                 .map(time)

@@ -386,7 +386,11 @@ fn job_row(job: &serde_json::Value) -> String {
         cell(&job["plugin"]),
         cell(&job["queue"]),
         cell(&job["state"]),
-        format!("{}/{}", job["attempt"], job["max_attempts"]),
+        format!(
+            "{}/{}",
+            job["attempt"],
+            view::count_or_dash(&job["max_attempts"])
+        ),
         cell(&job["last_error"]["code"]),
         cell(&job["created_at"]),
     )
@@ -405,7 +409,7 @@ pub fn timeline_text(detail: &serde_json::Value) -> String {
         s(&detail["plugin"]),
         s(&detail["queue"]),
         detail["attempt"],
-        detail["max_attempts"],
+        view::count_or_dash(&detail["max_attempts"]),
         s(&detail["idempotency_key"]),
         s(&detail["correlation_id"]),
     );

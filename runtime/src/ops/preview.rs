@@ -172,7 +172,7 @@ async fn preview_one(
                 queue: job.queue.clone(),
                 payload: job.payload.clone(),
                 attempt: 1,
-                max_attempts: job.max_attempts,
+                max_attempts: job.attempts_allowed(),
                 idempotency_key: job.idempotency_key.clone(),
                 correlation_id: job.correlation_id.clone(),
                 enqueued_at_ms: job.created_at_ms,

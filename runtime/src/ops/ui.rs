@@ -384,7 +384,7 @@ fn job_rows(jobs: &[Value], actions: bool) -> String {
             text("queue"),
             pill(job["state"].as_str().unwrap_or("-")),
             job["attempt"],
-            job["max_attempts"],
+            view::count_or_dash(&job["max_attempts"]),
             text("idempotency_key"),
             text("created_at"),
         );
@@ -497,7 +497,7 @@ async fn job(State(state): State<ApiState>, path: Result<Path<String>, PathRejec
         text(&detail["plugin"]),
         text(&detail["queue"]),
         detail["attempt"],
-        detail["max_attempts"],
+        view::count_or_dash(&detail["max_attempts"]),
         text(&detail["idempotency_key"]),
         text(&detail["correlation_id"]),
         detail["rescues"],

@@ -213,6 +213,14 @@ fn payload_json(payload: &[u8]) -> Value {
     }
 }
 
+/// A count shown to a person: the number, or `-` when it is null (a
+/// job's `max_attempts` before its first claim resolves it).
+///
+/// `assert_eq!(idem::ops::view::count_or_dash(&serde_json::json!(null)), "-");`
+pub fn count_or_dash(value: &Value) -> String {
+    value.as_u64().map_or_else(|| "-".into(), |n| n.to_string())
+}
+
 /// A job in a list: no payload, no plan.
 pub fn job_summary(job: &Job) -> Value {
     json!({

@@ -1369,7 +1369,7 @@ mod review_tests {
             run_at_ms: 0,
             state: JobState::Running,
             attempt: 1,
-            max_attempts: 5,
+            max_attempts: Some(5),
             lease_owner: Some("w".into()),
             lease_until_ms: Some(60_000),
             heartbeat_at_ms: Some(10_000),

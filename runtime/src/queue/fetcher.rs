@@ -16,7 +16,8 @@
 //! job's lease is extended like a running one's.
 
 use super::lease::LeaseKeeper;
-use crate::store::{ClaimParams, Job, Store};
+use crate::plugins::PluginRegistry;
+use crate::store::{AttemptDefaults, ClaimParams, Job, Store};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -60,6 +61,53 @@ pub struct FetchSettings {
     pub queue_limit: Option<u32>,
     /// Look for jobs at least this often without a notification.
     pub poll_interval: Duration,
+    /// Attempts of jobs enqueued without them, resolved at their claim.
+    pub attempts: Attempts,
+}
+
+/// Where a claim learns the attempts of jobs enqueued without them (a SQL
+/// producer's `max_attempts => NULL`): the plugin's operator file, as loaded
+/// now (the registry reloads), else the worker's `max_attempts`.
+#[derive(Clone)]
+pub struct Attempts {
+    /// The loaded plugins (`None`: the default for every plugin).
+    pub registry: Option<Arc<PluginRegistry>>,
+    /// The worker's `max_attempts`.
+    pub default: u32,
+}
+
+impl Attempts {
+    /// The numbers for a claim now.
+    ///
+    /// ```
+    /// let attempts = idem::queue::fetcher::Attempts { registry: None, default: 5 };
+    /// assert_eq!(attempts.defaults().default, 5);
+    /// ```
+    pub fn defaults(&self) -> AttemptDefaults {
+        AttemptDefaults {
+            by_plugin: self
+                .registry
+                .iter()
+                .flat_map(|registry| registry.list())
+                .filter_map(|plugin| {
+                    plugin
+                        .manifest
+                        .max_attempts
+                        .map(|n| (plugin.name().to_string(), n))
+                })
+                .collect(),
+            default: self.default,
+        }
+    }
+}
+
+impl std::fmt::Debug for Attempts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attempts")
+            .field("registry", &self.registry.as_ref().map(|r| r.dir()))
+            .field("default", &self.default)
+            .finish()
+    }
 }
 
 /// The queue's pace: jobs its handlers finish per second, smoothed, and
@@ -215,6 +263,7 @@ pub async fn run(
                 limit: u32::try_from(asked).unwrap_or(u32::MAX),
                 lease: settings.lease,
                 queue_concurrency: settings.queue_limit,
+                max_attempts: settings.attempts.defaults(),
             })
             .await;
         let jobs = match claimed {

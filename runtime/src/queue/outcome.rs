@@ -202,7 +202,7 @@ pub fn decide(
                 message: failure.message.clone(),
                 at_ms: chrono::Utc::now().timestamp_millis(),
             };
-            if !failure.class.is_retried() || job.attempt >= job.max_attempts {
+            if !failure.class.is_retried() || job.is_last_attempt() {
                 tracing::warn!(code = %failure.code, message = %failure.message, attempt = job.attempt,
                     "job dead-lettered");
                 (

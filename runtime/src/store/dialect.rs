@@ -90,6 +90,9 @@ pub(crate) struct Dialect {
     /// The error history `errors` with `record` appended (its `at_ms` set to
     /// `now`), only the newest `keep` kept, as a column value.
     pub append_error: fn(record: &str, now: &str, keep: usize) -> String,
+    /// The integer at key `key` (a text expression) of a JSON object
+    /// parameter, NULL when absent.
+    pub json_int_at: fn(param: &str, key: &str) -> String,
     /// The integers of a JSON array parameter, as a one-column subquery.
     pub int_list: fn(param: &str) -> String,
     /// The strings of a JSON array parameter, as a one-column subquery.

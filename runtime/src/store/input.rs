@@ -1,8 +1,8 @@
 //! Input checks and small conversions shared by every backend.
 
 use super::{
-    EffectChange, EffectClaimParams, EffectStatus, ErrorRecord, JobChange, MAX_PAYLOAD_BYTES,
-    NewJob, NewSession, Result, StoreError, Write,
+    AttemptDefaults, EffectChange, EffectClaimParams, EffectStatus, ErrorRecord, JobChange,
+    MAX_PAYLOAD_BYTES, NewJob, NewSession, Result, StoreError, Write,
 };
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -251,6 +251,18 @@ pub(crate) fn check_write(write: &Write) -> Result<()> {
             }
         }
     }
+}
+
+/// Checks a claim's attempt defaults (every number at least 1) and returns
+/// the plugins' numbers as the JSON object the claim statement reads.
+pub(crate) fn attempt_defaults(defaults: &AttemptDefaults) -> Result<String> {
+    if defaults.default == 0 || defaults.by_plugin.values().any(|&n| n == 0) {
+        return Err(StoreError::Invalid(
+            "max_attempts must be at least 1".into(),
+        ));
+    }
+    serde_json::to_string(&defaults.by_plugin)
+        .map_err(|e| StoreError::Invalid(format!("attempt defaults do not serialise: {e}")))
 }
 
 /// A lease owner must name someone.

@@ -38,6 +38,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     9 => "0009_effect_tries.sql",
     10 => "0010_schedules.sql",
     11 => "0011_groups.sql",
+    12 => "0012_enqueue_view.sql",
 );
 
 /// The PostgreSQL schema.
@@ -54,6 +55,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     10 => "0010_effect_tries.sql",
     11 => "0011_schedules.sql",
     12 => "0012_groups.sql",
+    13 => "0013_enqueue_function.sql",
 );
 
 impl Embedded {
@@ -220,6 +222,19 @@ mod tests {
             .execute(&mut conn)
             .await;
         assert!(bad_state.is_err(), "the state check still holds");
+        // 0012: attempts may be left to the claim, never be zero.
+        let unresolved = sqlx::query(
+            "INSERT INTO jobs (queue, plugin, payload, run_at, state, max_attempts, \
+             correlation_id, created_at, updated_at) \
+             VALUES ('default', 'noop', x'7b7d', 1, 'available', NULL, 'c', 1, 1)",
+        )
+        .execute(&mut conn)
+        .await;
+        assert!(unresolved.is_ok(), "{unresolved:?}");
+        let zero = sqlx::query("UPDATE jobs SET max_attempts = 0 WHERE id = 1")
+            .execute(&mut conn)
+            .await;
+        assert!(zero.is_err(), "the attempts check still holds");
     }
 
     #[tokio::test]

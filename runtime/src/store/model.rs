@@ -154,8 +154,11 @@ pub struct Job {
     pub state: JobState,
     /// Attempts started so far (1 during the first run).
     pub attempt: u32,
-    /// Attempts allowed.
-    pub max_attempts: u32,
+    /// Attempts allowed. `None` only while a job enqueued without them (a
+    /// SQL producer's `max_attempts => NULL`) waits for its first claim,
+    /// which resolves it ([`ClaimParams::max_attempts`]): a claimed job
+    /// always has a number.
+    pub max_attempts: Option<u32>,
     /// Worker holding the lease.
     pub lease_owner: Option<String>,
     /// Lease end, ms.
@@ -243,6 +246,19 @@ impl Job {
             attempt: self.attempt,
         }
     }
+
+    /// Whether this attempt is the last one allowed: the attempts are used
+    /// up, or not known (never so for a claimed job: its claim resolved
+    /// them), which counts as the last rather than as unbounded.
+    pub fn is_last_attempt(&self) -> bool {
+        self.max_attempts.is_none_or(|max| self.attempt >= max)
+    }
+
+    /// The attempts allowed, as a plugin is told them: a claimed job's
+    /// number, else this attempt (see [`Job::is_last_attempt`]).
+    pub fn attempts_allowed(&self) -> u32 {
+        self.max_attempts.unwrap_or(self.attempt)
+    }
 }
 
 /// Whether a fenced write took effect.
@@ -268,6 +284,37 @@ pub struct ClaimParams {
     pub lease: Duration,
     /// Most jobs of this queue running at once across all workers.
     pub queue_concurrency: Option<u32>,
+    /// The attempts written into claimed jobs enqueued without them.
+    pub max_attempts: AttemptDefaults,
+}
+
+/// What a claim writes into the jobs it takes that were enqueued without
+/// `max_attempts` (a SQL producer's `max_attempts => NULL`): the plugin's
+/// own number (its operator file's `max_attempts`), else `default` (the
+/// worker's `max_attempts`). Resolved once, at the first claim, and kept:
+/// retries, rescues and the dead-letter decision read it from the row.
+///
+/// ```
+/// let defaults = idem::store::AttemptDefaults::default();
+/// assert_eq!(defaults.default, 10);
+/// assert!(defaults.by_plugin.is_empty());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptDefaults {
+    /// Plugins whose operator file sets `max_attempts`.
+    pub by_plugin: std::collections::BTreeMap<String, u32>,
+    /// Every other plugin's (the worker's configured `max_attempts`).
+    pub default: u32,
+}
+
+impl Default for AttemptDefaults {
+    /// No plugin of its own, 10 attempts (the configuration's default).
+    fn default() -> Self {
+        AttemptDefaults {
+            by_plugin: std::collections::BTreeMap::new(),
+            default: 10,
+        }
+    }
 }
 
 /// Params of [`Store::job_save_plan`](super::Store::job_save_plan).

@@ -65,6 +65,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
               WHERE e.i > jsonb_array_length(errors) + 1 - {keep})"
         )
     },
+    json_int_at: |param, key| format!("((({param})::jsonb ->> {key})::bigint)"),
     int_list: |param| format!("SELECT (jsonb_array_elements_text(({param})::jsonb))::bigint"),
     text_list: |param| format!("SELECT jsonb_array_elements_text(({param})::jsonb)"),
     rows: |cols| {

@@ -304,12 +304,17 @@ impl Queries {
                  ORDER BY id DESC LIMIT $4",
                 ids = (d.int_list)("$3"),
             )),
+            // A job enqueued without attempts (NULL) gets them here, once:
+            // its plugin's ($5, a JSON object by plugin name), else the
+            // worker's default ($6).
             job_claim: x(&format!(
                 "UPDATE jobs SET state = 'running', attempt = attempt + 1, lease_owner = $1, \
                      lease_until = {{now}} + $2, heartbeat_at = {{now}}, started = 0, \
-                     updated_at = {{now}} \
+                     updated_at = {{now}}, \
+                     max_attempts = COALESCE(jobs.max_attempts, {plugin_attempts}, $6) \
                  WHERE {picked} \
                  RETURNING {{job_cols}}",
+                plugin_attempts = (d.json_int_at)("$5", "jobs.plugin"),
                 picked = (d.ids_in)(
                     "id",
                     &format!(

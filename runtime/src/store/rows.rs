@@ -29,6 +29,21 @@ where
         .map_err(|_| StoreError::Corrupt(format!("{column} = {value} is out of range")))
 }
 
+fn optional_count<'r, R>(row: &'r R, column: &'static str) -> Result<Option<u32>>
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let value: Option<i64> = get(row, column)?;
+    value
+        .map(|value| {
+            u32::try_from(value)
+                .map_err(|_| StoreError::Corrupt(format!("{column} = {value} is out of range")))
+        })
+        .transpose()
+}
+
 fn flag<'r, R>(row: &'r R, column: &'static str) -> Result<bool>
 where
     R: Row,
@@ -66,7 +81,7 @@ where
         run_at_ms: get(row, "run_at")?,
         state,
         attempt: count(row, "attempt")?,
-        max_attempts: count(row, "max_attempts")?,
+        max_attempts: optional_count(row, "max_attempts")?,
         lease_owner: get(row, "lease_owner")?,
         lease_until_ms: get(row, "lease_until")?,
         heartbeat_at_ms: get(row, "heartbeat_at")?,

@@ -308,7 +308,13 @@ impl SqlStore {
     }
 
     /// One claim in one transaction (see [`Store::job_claim`]).
-    async fn job_claim_once(&self, params: &ClaimParams) -> Result<Vec<Job>> {
+    /// `attempts_by_plugin`: the claim's [`ClaimParams::max_attempts`]
+    /// by plugin, as the JSON object the statement reads.
+    async fn job_claim_once(
+        &self,
+        params: &ClaimParams,
+        attempts_by_plugin: &str,
+    ) -> Result<Vec<Job>> {
         let jobs: Vec<Job> = with_db!(self, |_read, write| {
             let mut tx = write.begin_claim().await?;
             let mut limit = i64::from(params.limit);
@@ -331,6 +337,8 @@ impl SqlStore {
                     .bind(input::millis(params.lease))
                     .bind(&params.queue)
                     .bind(limit)
+                    .bind(attempts_by_plugin)
+                    .bind(i64::from(params.max_attempts.default))
                     .fetch_all(&mut *tx)
                     .await?;
                 // Decoded before the commit: an unreadable row rolls the
@@ -340,6 +348,12 @@ impl SqlStore {
                     .iter()
                     .map(rows::job_from_row)
                     .collect::<Result<Vec<_>>>()?;
+                if let Some(job) = jobs.iter().find(|job| job.max_attempts.is_none()) {
+                    return Err(StoreError::Corrupt(format!(
+                        "job {} was claimed without resolving its max_attempts",
+                        job.id
+                    )));
+                }
                 tx.commit().await?;
                 jobs
             }
@@ -495,6 +509,7 @@ impl Store for SqlStore {
 
     async fn job_claim(&self, params: ClaimParams) -> Result<Vec<Job>> {
         input::check_worker(&params.worker)?;
+        let attempts_by_plugin = input::attempt_defaults(&params.max_attempts)?;
         if params.limit == 0 {
             return Ok(Vec::new());
         }
@@ -503,7 +518,7 @@ impl Store for SqlStore {
         // it runs again on a fresh snapshot, which sees that job running.
         let mut tries = 0;
         let mut jobs = loop {
-            match self.job_claim_once(&params).await {
+            match self.job_claim_once(&params, &attempts_by_plugin).await {
                 Err(StoreError::Database(e)) if tries < CLAIM_TRIES && group_contention(&e) => {
                     tries += 1;
                     tracing::debug!(error = %e, tries, "claim met another claim of a group; claiming again");
@@ -2452,6 +2467,7 @@ mod group_fence {
                 limit: 10,
                 lease: Duration::from_secs(60),
                 queue_concurrency: None,
+                max_attempts: Default::default(),
             })
             .await
             .expect("claim");

@@ -53,6 +53,8 @@ pub(crate) const DIALECT: Dialect = Dialect {
               WHERE key > json_array_length(errors) - {keep})"
         )
     },
+    // A label as a path (`$.a.b`) would read a name with a dot as two.
+    json_int_at: |param, key| format!("(SELECT value FROM json_each({param}) WHERE key = {key})"),
     int_list: |param| format!("SELECT value FROM json_each({param})"),
     text_list: |param| format!("SELECT value FROM json_each({param})"),
     rows: |cols| {

@@ -27,7 +27,7 @@ pub async fn insert_roundtrip(store: Arc<dyn Store>) {
     assert_eq!(job.priority, 7);
     assert_eq!(job.state, JobState::Available);
     assert_eq!(job.attempt, 0);
-    assert_eq!(job.max_attempts, 5);
+    assert_eq!(job.max_attempts, Some(5));
     assert_eq!(job.correlation_id, "corr-42");
     assert_eq!(job.lease_owner, None);
     assert_eq!(job.lease_until_ms, None);

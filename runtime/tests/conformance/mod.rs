@@ -212,6 +212,7 @@ pub fn claim_params(worker: &str, limit: u32, lease: Duration) -> ClaimParams {
         limit,
         lease,
         queue_concurrency: None,
+        max_attempts: Default::default(),
     }
 }
 

@@ -325,7 +325,7 @@ struct ModelJob {
 struct View {
     state: JobState,
     attempt: u32,
-    max_attempts: u32,
+    max_attempts: Option<u32>,
     priority: i32,
     lease_owner: Option<String>,
     leased: bool,
@@ -367,7 +367,7 @@ impl View {
         View {
             state: job.state,
             attempt: job.attempt,
-            max_attempts: job.max_attempts,
+            max_attempts: Some(job.max_attempts),
             priority: job.priority,
             lease_owner: job.holder.map(worker_name),
             leased: job.state == JobState::Running,
@@ -768,8 +768,8 @@ impl Run<'_> {
         for (i, (row, model)) in rows.iter().zip(&mut self.model.jobs).enumerate() {
             // The invariants, each on its own so its message names it.
             ensure!(
-                row.attempt <= row.max_attempts,
-                "job {i}: attempt {} exceeds max_attempts {}",
+                row.max_attempts.is_some_and(|max| row.attempt <= max),
+                "job {i}: attempt {} exceeds max_attempts {:?}",
                 row.attempt,
                 row.max_attempts
             );
@@ -929,6 +929,7 @@ impl Run<'_> {
                         limit: *limit,
                         lease: millis(half_past(*lease)),
                         queue_concurrency: *concurrency,
+                        max_attempts: Default::default(),
                     })
                     .await
                     .map_err(|e| format!("job_claim: {e}"))?;
