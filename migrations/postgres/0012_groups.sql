@@ -9,7 +9,7 @@
 --   comes before the one it looks at (the group's head is its oldest
 --   unfinished job; a retrying head keeps its place).
 -- Jobs without a group are in neither index.
-ALTER TABLE jobs ADD COLUMN group_key TEXT;
+ALTER TABLE jobs ADD COLUMN group_key TEXT COLLATE "C";
 CREATE UNIQUE INDEX jobs_group_running ON jobs (group_key)
     WHERE group_key IS NOT NULL AND state = 'running';
 CREATE INDEX jobs_group_waiting ON jobs (group_key, id)
