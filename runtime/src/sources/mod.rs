@@ -398,7 +398,7 @@ pub async fn ingest(
         match key_and_group {
             Ok((key, group)) => {
                 let job = NewJob {
-                    group,
+                    group: group.clone(),
                     ..source.job(message.payload.clone(), Some(key.clone()))
                 };
                 if message.payload.len() > crate::store::MAX_PAYLOAD_BYTES {
@@ -407,6 +407,7 @@ pub async fn ingest(
                             &NewJob {
                                 correlation_id: Some(key.clone()),
                                 idempotency_key: Some(dead_key(source, message)),
+                                group,
                                 ..source.job(Vec::new(), None)
                             },
                             &message.payload,
@@ -422,8 +423,15 @@ pub async fn ingest(
                 }
             }
             Err((code, why)) => {
+                // Kept with its group when it has a usable one: replayed, it
+                // must still wait its turn in the group.
+                let group = source
+                    .group_rule
+                    .as_ref()
+                    .and_then(|rule| rule.group_of(message).ok());
                 let kept = NewJob {
                     idempotency_key: Some(dead_key(source, message)),
+                    group,
                     ..source.job(Vec::new(), None)
                 };
                 let job = if message.payload.len() > crate::store::MAX_PAYLOAD_BYTES {

@@ -270,8 +270,9 @@ impl Queries {
             // is kept, dead, with its error, for an operator.
             job_insert_dead: x(
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
-                     state, max_attempts, correlation_id, created_at, updated_at, finished_at) \
-                 VALUES ($1, $2, $3, $6, 0, {now}, 'dead', $4, $5, {now}, {now}, {now}) \
+                     state, max_attempts, correlation_id, created_at, updated_at, finished_at, \
+                     group_key) \
+                 VALUES ($1, $2, $3, $6, 0, {now}, 'dead', $4, $5, {now}, {now}, {now}, $7) \
                  ON CONFLICT {key_conflict} DO NOTHING RETURNING id",
             ),
             job_dead_error: x(&format!(

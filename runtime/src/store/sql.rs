@@ -436,6 +436,7 @@ impl Store for SqlStore {
                 .bind(job.max_attempts)
                 .bind(&job.correlation_id)
                 .bind(&job.idempotency_key)
+                .bind(&job.group)
                 .fetch_optional(&mut *tx)
                 .await?;
             let Some(id) = inserted else {
@@ -1282,7 +1283,13 @@ impl Store for SqlStore {
                 .bind(id.0)
                 .execute(write)
                 .await?;
-            Ok(result.rows_affected() > 0)
+            let cancelled = result.rows_affected() > 0;
+            if cancelled {
+                // A cancelled group head lets the next job of its group go,
+                // and no insert announces it.
+                wake(&self.notify);
+            }
+            Ok(cancelled)
         })
     }
 
