@@ -69,6 +69,11 @@ async fn pg_late_commit_makes_a_claim_meet_the_unique_index_and_claim_again() {
     assert!(late < early);
     // C1: a claim of the committed one, not committed yet.
     let mut claimer = sqlx::PgConnection::connect(&url).await.expect("claimer");
+    let c1: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut claimer)
+        .await
+        .expect("c1's pid");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("watcher");
     let mut ctx = claimer.begin().await.expect("begin");
     sqlx::query(
         "UPDATE jobs SET state = 'running', attempt = 1, lease_owner = 'c1', \
@@ -83,7 +88,23 @@ async fn pg_late_commit_makes_a_claim_meet_the_unique_index_and_claim_again() {
     // not running in its snapshot) and waits on C1's index entry.
     let s2 = store.clone();
     let second = tokio::spawn(async move { s2.job_claim(params("c2", 10)).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Until the database shows the store's claim blocked by C1.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let blocked: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)))",
+        )
+        .bind(c1)
+        .fetch_one(&mut watcher)
+        .await
+        .expect("blocking pids");
+        if blocked {
+            break;
+        }
+        assert!(!second.is_finished(), "the claim waits on C1's index entry");
+        assert!(Instant::now() < deadline, "the claim never waited on C1");
+        tokio::task::yield_now().await;
+    }
     assert!(!second.is_finished(), "the claim waits on C1's index entry");
     ctx.commit().await.expect("c1 commits");
     let claimed = second.await.expect("task").expect("the claim claims again");
@@ -136,7 +157,8 @@ async fn sqlite_cancelling_a_group_head_wakes_the_claimers() {
         waiter.wait_for_jobs(Duration::from_secs(3)).await;
         started.elapsed()
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // No pause needed: a wake-up that comes before the waiter waits is kept
+    // for it (`wait_for_jobs` returns at once), and none comes without it.
     assert!(store.job_cancel(a1).await.expect("cancel"));
     let waited = woken.await.expect("waiter");
     let claimed: Vec<JobId> = store
@@ -255,7 +277,7 @@ async fn pg_a_finished_group_head_wakes_other_nodes() {
         waiter.wait_for_jobs(Duration::from_secs(3)).await;
         started.elapsed()
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // No pause needed: a wake-up that comes before the waiter waits is kept.
     assert!(a.job_cancel(a1).await.expect("cancel"));
     let waited = woken.await.expect("waiter");
     let claimed: Vec<JobId> = b
