@@ -294,3 +294,117 @@ async fn pg_a_finished_group_head_wakes_other_nodes() {
     assert_eq!(claimed, vec![a2]);
     assert!(waited < Duration::from_secs(1), "node b slept {waited:?}");
 }
+
+/// A job enqueued behind a head whose end is being written (the writer's
+/// transaction has marked it succeeded and looked for a blocked job to
+/// promote, and has not committed): the insert must not leave the new job
+/// blocked, since the writer cannot see it and nothing else would promote
+/// it. The insert skips the locked head and finds the group empty, so the
+/// new job is its group's head.
+#[tokio::test]
+async fn pg_a_job_enqueued_while_its_head_ends_is_not_left_blocked() {
+    let schema = format!("idem_rv_{}", hex::encode(rand::random::<[u8; 6]>()));
+    let store: Arc<dyn Store> = Arc::new(
+        connect_with_schema(&database_url(), &schema, Clock::Database)
+            .await
+            .expect("store"),
+    );
+    let url = format!("{}?options=-csearch_path%3D{schema}", database_url());
+    let head = store.job_insert(grouped("G")).await.expect("head").id;
+    let claimed = store.job_claim(params("w", 10)).await.expect("claim");
+    assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![head]);
+    // The writer: the head's end and the (empty) promotion, not committed.
+    let mut writer = sqlx::PgConnection::connect(&url).await.expect("writer");
+    let mut wtx = writer.begin().await.expect("begin");
+    sqlx::query("UPDATE jobs SET state = 'succeeded', lease_owner = NULL WHERE id = $1")
+        .bind(head.0)
+        .execute(&mut *wtx)
+        .await
+        .expect("the head ends");
+    let promoted = sqlx::query(
+        "UPDATE jobs SET state = 'available' WHERE state = 'blocked' AND group_key = 'G'",
+    )
+    .execute(&mut *wtx)
+    .await
+    .expect("the promotion");
+    assert_eq!(promoted.rows_affected(), 0, "nothing blocked yet");
+    // Meanwhile a producer enqueues the next job of G (it must not wait for
+    // the writer either: the head's row is locked).
+    let next = tokio::time::timeout(Duration::from_secs(30), store.job_insert(grouped("G")))
+        .await
+        .expect("the insert does not wait for the writer")
+        .expect("next")
+        .id;
+    wtx.commit().await.expect("the writer commits");
+    let next_job = store.job_get(next).await.expect("get").expect("next");
+    assert_eq!(
+        next_job.state,
+        JobState::Available,
+        "the next job is its group's head, not blocked behind a finished job"
+    );
+    let claimed = store.job_claim(params("w", 10)).await.expect("claim");
+    assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![next]);
+    drop(store);
+    let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+        .execute(&mut writer)
+        .await;
+}
+
+/// The other order: a producer's insert behind a running head has not
+/// committed when the head ends. The writer ending the head waits for the
+/// insert (the insert share-locks the head), then sees and promotes it.
+#[tokio::test]
+async fn pg_a_head_that_ends_while_a_job_is_enqueued_behind_it_promotes_it() {
+    let schema = format!("idem_rv_{}", hex::encode(rand::random::<[u8; 6]>()));
+    let store: Arc<dyn Store> = Arc::new(
+        connect_with_schema(&database_url(), &schema, Clock::Database)
+            .await
+            .expect("store"),
+    );
+    let url = format!("{}?options=-csearch_path%3D{schema}", database_url());
+    let head = store.job_insert(grouped("G")).await.expect("head").id;
+    let running = store.job_claim(params("w", 10)).await.expect("claim");
+    assert_eq!(running.len(), 1);
+    // Another insert behind the head, still open: it share-locked the head
+    // as the insert's head check does. The store's insert behind it shares
+    // that lock and commits blocked.
+    let mut producer = sqlx::PgConnection::connect(&url).await.expect("producer");
+    let mut ptx = producer.begin().await.expect("begin");
+    sqlx::query("SELECT id FROM jobs WHERE id = $1 FOR SHARE")
+        .bind(head.0)
+        .fetch_one(&mut *ptx)
+        .await
+        .expect("share lock");
+    let next = store.job_insert(grouped("G")).await.expect("next").id;
+    assert_eq!(
+        store.job_get(next).await.expect("get").expect("next").state,
+        JobState::Blocked,
+        "behind the running head"
+    );
+    // The head's success waits for the share lock, then promotes `next`.
+    let job = running.into_iter().next().expect("head");
+    let s2 = store.clone();
+    let finish = tokio::spawn(async move {
+        use idem::store::{JobChange, Write};
+        s2.write_batch(vec![Write::Job {
+            fence: job.fence(),
+            change: JobChange::Succeed {
+                plugin_hash: None,
+                plan: None,
+            },
+        }])
+        .await
+    });
+    tokio::task::yield_now().await;
+    ptx.commit().await.expect("release");
+    let written = finish.await.expect("task").expect("success");
+    assert_eq!(written.len(), 1);
+    assert_eq!(
+        store.job_get(next).await.expect("get").expect("next").state,
+        JobState::Available
+    );
+    drop(store);
+    let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+        .execute(&mut producer)
+        .await;
+}

@@ -273,7 +273,7 @@ pub async fn serve(config: &Config, plugins_dir: &Path, args: ServeArgs) -> Resu
 pub enum JobsCommand {
     /// List jobs, newest first.
     List {
-        /// Only this state (available, running, retrying, succeeded, dead, cancelled).
+        /// Only this state (available, blocked, running, retrying, succeeded, dead, cancelled).
         #[arg(long)]
         state: Option<String>,
         /// Only this queue.

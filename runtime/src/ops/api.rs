@@ -326,7 +326,7 @@ fn parse_state(text: Option<&str>) -> Result<Option<JobState>, ApiError> {
             .find(|state| state.as_str() == s)
             .ok_or_else(|| {
                 ApiError::bad_request(format!(
-                    "unknown state {s:?}: one of available, running, retrying, succeeded, dead, cancelled"
+                    "unknown state {s:?}: one of available, blocked, running, retrying, succeeded, dead, cancelled"
                 ))
             })
     })

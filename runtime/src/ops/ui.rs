@@ -233,7 +233,14 @@ async fn overview(State(state): State<ApiState>) -> Response {
     };
     let mut body =
         String::from("<h1>Overview</h1><h2>Queues</h2><table id=\"queues\"><tr><th>Queue</th>");
-    let states = ["available", "running", "retrying", "dead", "succeeded"];
+    let states = [
+        "available",
+        "blocked",
+        "running",
+        "retrying",
+        "dead",
+        "succeeded",
+    ];
     for s in states {
         let _ = write!(body, "<th>{s}</th>");
     }

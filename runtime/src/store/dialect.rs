@@ -52,6 +52,9 @@ pub(crate) struct Dialect {
     pub errors_col: &'static str,
     /// Appended to the claim's row picker (`FOR UPDATE SKIP LOCKED`).
     pub skip_locked: &'static str,
+    /// Share-locks the rows a subquery reads, skipping rows locked by a
+    /// writer (nothing on SQLite, which has one writer).
+    pub share_skip_locked: &'static str,
     /// Appended to a select of job rows that must not change until the
     /// transaction commits (`FOR SHARE OF jobs`).
     pub lock_jobs: &'static str,

@@ -39,6 +39,7 @@ pub(crate) const SQLITE: Embedded = embed!("sqlite":
     10 => "0010_schedules.sql",
     11 => "0011_groups.sql",
     12 => "0012_enqueue_view.sql",
+    13 => "0013_group_heads.sql",
 );
 
 /// The PostgreSQL schema.
@@ -56,6 +57,7 @@ pub(crate) const POSTGRES: Embedded = embed!("postgres":
     11 => "0011_schedules.sql",
     12 => "0012_groups.sql",
     13 => "0013_enqueue_function.sql",
+    14 => "0014_group_heads.sql",
 );
 
 impl Embedded {
@@ -235,6 +237,88 @@ mod tests {
             .execute(&mut conn)
             .await;
         assert!(zero.is_err(), "the attempts check still holds");
+    }
+
+    /// 0013 (SQLite) makes the jobs already waiting behind their group's
+    /// head `blocked`, keeps the rest, and the view `idem_enqueue` it makes
+    /// again blocks a job behind an open one of its group.
+    #[tokio::test]
+    async fn the_group_heads_migration_blocks_the_jobs_behind_each_head() {
+        use sqlx::Connection;
+        let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+            .await
+            .expect("an in-memory database");
+        Migrator::new(Embedded(&SQLITE.0[..12]))
+            .await
+            .expect("the migrator up to 0012")
+            .run(&mut conn)
+            .await
+            .expect("migrations up to 0012");
+        for (group, state) in [
+            ("g", "running"),
+            ("g", "available"),
+            ("g", "retrying"),
+            ("h", "retrying"),
+            ("h", "available"),
+            ("i", "succeeded"),
+            ("i", "available"),
+        ] {
+            sqlx::query(
+                "INSERT INTO jobs (queue, plugin, payload, run_at, state, max_attempts, \
+                 correlation_id, created_at, updated_at, group_key) \
+                 VALUES ('default', 'noop', x'7b7d', 1, $1, 3, 'c', 1, 1, $2)",
+            )
+            .bind(state)
+            .bind(group)
+            .execute(&mut conn)
+            .await
+            .expect("a job");
+        }
+        SQLITE
+            .migrator()
+            .await
+            .expect("the migrator")
+            .run(&mut conn)
+            .await
+            .expect("every migration");
+        let states: Vec<String> = sqlx::query_scalar("SELECT state FROM jobs ORDER BY id")
+            .fetch_all(&mut conn)
+            .await
+            .expect("states");
+        assert_eq!(
+            states,
+            [
+                "running",
+                "blocked",
+                "blocked",
+                "retrying",
+                "blocked",
+                "succeeded",
+                "available"
+            ]
+        );
+        for group in ["g", "j"] {
+            sqlx::query(
+                "INSERT INTO idem_enqueue (plugin, payload, group_key) VALUES ('noop', '{}', $1)",
+            )
+            .bind(group)
+            .execute(&mut conn)
+            .await
+            .expect("an insert through the view");
+        }
+        let states: Vec<(String, String)> = sqlx::query_as(
+            "SELECT group_key, state FROM jobs WHERE id > 7 ORDER BY id",
+        )
+        .fetch_all(&mut conn)
+        .await
+        .expect("states");
+        assert_eq!(
+            states,
+            [
+                ("g".to_string(), "blocked".to_string()),
+                ("j".to_string(), "available".to_string())
+            ]
+        );
     }
 
     #[tokio::test]

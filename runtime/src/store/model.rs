@@ -32,12 +32,17 @@ pub enum JobState {
     Dead,
     /// Cancelled by an operator.
     Cancelled,
+    /// Waiting behind an earlier job of its group (a concurrency key): not
+    /// claimable, and outside the claim's index, until the job ahead of it
+    /// ends and the transaction that ends it makes this one `Available`.
+    Blocked,
 }
 
 impl JobState {
     /// Every state.
-    pub const ALL: [JobState; 6] = [
+    pub const ALL: [JobState; 7] = [
         JobState::Available,
+        JobState::Blocked,
         JobState::Running,
         JobState::Retrying,
         JobState::Succeeded,
@@ -54,6 +59,7 @@ impl JobState {
             JobState::Succeeded => "succeeded",
             JobState::Dead => "dead",
             JobState::Cancelled => "cancelled",
+            JobState::Blocked => "blocked",
         }
     }
 

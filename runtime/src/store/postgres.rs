@@ -47,6 +47,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     now: "(extract(epoch from statement_timestamp()) * 1000)::bigint",
     errors_col: "errors::text",
     skip_locked: "FOR UPDATE SKIP LOCKED",
+    share_skip_locked: "FOR SHARE SKIP LOCKED",
     lock_jobs: "FOR SHARE OF jobs",
     greatest: "GREATEST",
     // A join clause (it names the row set), never a restriction of the scan.
@@ -67,7 +68,10 @@ pub(crate) const DIALECT: Dialect = Dialect {
     },
     json_int_at: |param, key| format!("((({param})::jsonb ->> {key})::bigint)"),
     int_list: |param| format!("SELECT (jsonb_array_elements_text(({param})::jsonb))::bigint"),
-    text_list: |param| format!("SELECT jsonb_array_elements_text(({param})::jsonb)"),
+    // The column is named `value`, as SQLite's `json_each` names it.
+    text_list: |param| {
+        format!("SELECT value FROM jsonb_array_elements_text(({param})::jsonb) AS value")
+    },
     rows: |cols| {
         let arrays: Vec<String> = cols
             .iter()
@@ -238,7 +242,10 @@ async fn listen(mut listener: PgListener, notify: Arc<Notify>) {
 /// ```
 pub async fn job_insert_in(conn: &mut PgConnection, job: NewJob) -> Result<Enqueued> {
     let job = input::insertable(job)?;
-    super::sql::insert_one!(conn, &*QUERIES, &job)
+    // A grouped job goes in `available` (the claim's head check orders it),
+    // never `blocked`: that would share-lock an open job of its group until
+    // the caller commits, and hold up the worker ending it.
+    super::sql::insert_one!(conn, &*QUERIES, &job, false)
 }
 
 impl WritePool for PgPool {

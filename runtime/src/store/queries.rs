@@ -28,18 +28,29 @@ const KEY_CONFLICT: &str = "(plugin, idempotency_key) WHERE idempotency_key IS N
 const JOB_FENCE: &str = "{job_ids}jobs.id = t.id AND {job_running} \
     AND jobs.lease_owner = t.owner AND jobs.attempt = t.attempt";
 
+/// A group's open jobs: the predicate of the index `jobs_group_open`,
+/// repeated word for word wherever a statement should read that index
+/// (SQLite uses a partial index only for a query that names its terms).
+const GROUP_OPEN: &str = "state IN ('available', 'retrying', 'running', 'blocked')";
+
 /// A grouped job may be claimed when it is its group's head and its group
-/// has nothing running: no job of the group is running, and none waits with
-/// a lower id (enqueue order; a retrying job keeps its place, a delayed one
-/// holds the jobs after it). Each part reads one partial index of
-/// migration `groups`. Snapshots of concurrent PostgreSQL claims can
-/// disagree on a group's head (a job committed late with a lower id, a
-/// replayed dead job); the unique index `jobs_group_running` refuses the
-/// second job of a group marked running, and that claim runs again.
+/// has nothing running: no job of the group is running, and it is the
+/// group's oldest waiting job (enqueue order; a retrying job keeps its
+/// place, a delayed one holds the jobs after it). The jobs behind a head are
+/// normally `blocked`, outside the claim's index (migration `group_heads`);
+/// this check orders the few that are not: jobs enqueued through the SQL
+/// function, replayed dead jobs, and two inserts into an empty group at
+/// once. The oldest is read in the order of `jobs_group_open`, which only
+/// that index gives (a plan on the primary key cannot). Snapshots of
+/// concurrent PostgreSQL claims can disagree on a group's head; the unique
+/// index `jobs_group_running` refuses the second job of a group marked
+/// running, and that claim runs again.
 const GROUP_HEAD_FREE: &str = "NOT EXISTS (SELECT 1 FROM jobs g \
         WHERE g.group_key = jobs.group_key AND g.state = 'running') \
-    AND NOT EXISTS (SELECT 1 FROM jobs g WHERE g.group_key = jobs.group_key \
-        AND g.state IN ('available', 'retrying') AND g.id < jobs.id)";
+    AND jobs.id = (SELECT g.id FROM jobs g WHERE g.group_key = jobs.group_key \
+        AND g.state IN ('available', 'retrying', 'running', 'blocked') \
+        AND g.state IN ('available', 'retrying') \
+        ORDER BY g.group_key, g.id LIMIT 1)";
 
 /// The fence of a batched effect write against the row set `t`.
 const EFFECT_FENCE: &str = "{effect_keys}effects.key = t.key AND effects.lease_owner = t.owner \
@@ -81,6 +92,8 @@ pub(crate) struct Queries {
     pub job_dead_error: String,
     pub job_insert_rows: String,
     pub job_insert_rows_unkeyed: String,
+    pub group_open: String,
+    pub group_next: String,
     pub jobs_by_keys: String,
     pub job_get: String,
     pub job_list: String,
@@ -190,7 +203,8 @@ impl Queries {
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, run_at, \
                      state, max_attempts, correlation_id, group_key, created_at, updated_at) \
                  SELECT t.queue, t.plugin, t.payload, t.idem_key, t.priority, {{now}} + t.delay_ms, \
-                     'available', t.max_attempts, t.correlation_id, t.group_key, {{now}}, {{now}} \
+                     CASE WHEN t.group_key IS NULL THEN 'available' ELSE 'blocked' END, \
+                     t.max_attempts, t.correlation_id, t.group_key, {{now}}, {{now}} \
                  FROM {rows} WHERE true ORDER BY t.ord {tail}",
                 rows = (d.rows)(&INSERT_COLS),
             ))
@@ -225,7 +239,7 @@ impl Queries {
                      plan_hash = CASE WHEN jobs.plan IS NULL AND t.plan IS NOT NULL \
                          THEN t.hash ELSE jobs.plan_hash END, \
                      updated_at = {{now}} \
-                 FROM {rows} WHERE {JOB_FENCE} {extra} RETURNING jobs.id",
+                 FROM {rows} WHERE {JOB_FENCE} {extra} RETURNING jobs.id, jobs.group_key",
                 rows = job_rows(&[("hash", Text), ("plan", Text)]),
             ))
         };
@@ -261,7 +275,9 @@ impl Queries {
                 "INSERT INTO jobs (queue, plugin, payload, idempotency_key, priority, \
                      run_at, state, max_attempts, correlation_id, group_key, created_at, \
                      updated_at) \
-                 VALUES ($1, $2, $3, $4, $5, {now} + $6, 'available', $7, $8, $9, {now}, {now}) \
+                 VALUES ($1, $2, $3, $4, $5, {now} + $6, \
+                     CASE WHEN $9 IS NOT NULL AND $10 = 1 THEN 'blocked' ELSE 'available' END, \
+                     $7, $8, $9, {now}, {now}) \
                  ON CONFLICT {key_conflict} DO NOTHING \
                  RETURNING id",
             ),
@@ -287,6 +303,51 @@ impl Queries {
             // index for every row (a speculative insertion), and only ids
             // come back.
             job_insert_rows_unkeyed: insert_rows("RETURNING id"),
+            // Grouped jobs are inserted `blocked`; this makes the oldest
+            // of each group's new jobs (ids `$1`) its head unless an older
+            // open job of the group is there to end first. That job is
+            // share-locked until this transaction commits, so it cannot end
+            // (and find no job to promote) before the new ones are visible;
+            // a job being written now is skipped (its writer may be ending
+            // it) and the next older one taken. Nothing found: the group is
+            // empty, and the oldest new job is its head.
+            group_open: x(&format!(
+                "UPDATE jobs SET state = 'available', updated_at = {{now}} \
+                 WHERE state = 'blocked' \
+                   AND {picked} \
+                   AND NOT EXISTS (SELECT 1 FROM jobs o \
+                       WHERE o.group_key = jobs.group_key AND o.{GROUP_OPEN} \
+                         AND o.id NOT IN ({ids}) \
+                       ORDER BY o.group_key DESC, o.id DESC LIMIT 1 {{share_skip_locked}})",
+                ids = (d.int_list)("$1"),
+                picked = (d.ids_in)(
+                    "id",
+                    &format!(
+                        "SELECT min(n.id) FROM jobs n WHERE n.id IN ({ids}) GROUP BY n.group_key",
+                        ids = (d.int_list)("$1"),
+                    )
+                ),
+            )),
+            // The groups `$1` lost a live job (succeeded, dead, cancelled):
+            // the oldest blocked job of each becomes its head. Read in the
+            // order of `jobs_group_open`, so a hot group costs one step, not
+            // a scan of its backlog. A job another transaction promoted
+            // meanwhile is re-checked and left alone.
+            group_next: x(&format!(
+                "UPDATE jobs SET state = 'available', updated_at = {{now}} \
+                 WHERE state = 'blocked' AND {picked}",
+                picked = (d.ids_in)(
+                    "id",
+                    &format!(
+                        "SELECT (SELECT b.id FROM jobs b \
+                                 WHERE b.group_key = gs.value AND b.{GROUP_OPEN} \
+                                   AND b.state = 'blocked' \
+                                 ORDER BY b.group_key, b.id LIMIT 1) \
+                         FROM ({groups}) AS gs",
+                        groups = (d.text_list)("$1"),
+                    )
+                ),
+            )),
             jobs_by_keys: x(&format!(
                 "SELECT id, plugin, idempotency_key FROM jobs \
                  WHERE (plugin, idempotency_key) IN (SELECT t.plugin, t.idem_key FROM {rows})",
@@ -369,7 +430,7 @@ impl Queries {
                      lease_until = NULL, payload = COALESCE(t.payload, jobs.payload), \
                      plugin_hash = COALESCE(t.hash, jobs.plugin_hash), {record}, \
                      updated_at = {{now}} \
-                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id",
+                 FROM {rows} WHERE {JOB_FENCE} RETURNING jobs.id, jobs.group_key",
                 record = job_error,
                 rows = job_rows(&[
                     ("payload", Bytes),
@@ -407,7 +468,7 @@ impl Queries {
                      rescues = rescues + 1, lease_owner = NULL, lease_until = NULL, \
                      {record}, updated_at = {{now}} \
                  WHERE {picked} AND state = 'running' AND lease_until < {{now}} \
-                 RETURNING id",
+                 RETURNING id, state, group_key",
                 picked = (d.ids_in)(
                     "id",
                     "SELECT id FROM jobs WHERE state = 'running' AND lease_until < {now} \
@@ -536,9 +597,12 @@ impl Queries {
                 "UPDATE jobs SET plan = NULL, plan_hash = NULL, updated_at = {now} \
                  WHERE id = $1 AND state = 'dead'",
             ),
+            // A waiting job, blocked behind its group or not; its group
+            // comes back for the next job's promotion.
             job_cancel: x("UPDATE jobs SET state = 'cancelled', finished_at = {now}, \
                      updated_at = {now} \
-                 WHERE id = $1 AND state IN ('available', 'retrying')"),
+                 WHERE id = $1 AND state IN ('available', 'retrying', 'blocked') \
+                 RETURNING group_key"),
             // `$3` is the smaller retention, so the index on finished_at
             // bounds the scan.
             // The conditions are repeated outside the subquery, so a row
@@ -852,6 +916,10 @@ fn counts_by_state(filter: &str, group: &str) -> String {
         "state IN ('available', 'retrying')",
         "state = 'running'",
         "state IN ('succeeded', 'dead', 'cancelled')",
+        // Worded as `jobs_group_open`'s predicate, which SQLite needs to
+        // read that index.
+        "group_key IS NOT NULL AND state IN ('available', 'retrying', 'running', 'blocked') \
+         AND state = 'blocked'",
     ]
     .iter()
     .map(|states| {
@@ -878,6 +946,7 @@ fn expand(d: &Dialect, keys: &Keys, now: &str, text: &str) -> String {
         .replace("{job_cols}", JOB_COLS)
         .replace("{effect_cols}", EFFECT_COLS)
         .replace("{errors}", d.errors_col)
+        .replace("{share_skip_locked}", d.share_skip_locked)
         .replace("{skip_locked}", d.skip_locked)
         .replace("{lock_jobs}", d.lock_jobs)
         .replace("{greatest}", d.greatest)

@@ -13,7 +13,7 @@ use super::*;
 use sqlx::Row;
 use sqlx::postgres::PgPool;
 use sqlx::sqlite::SqlitePool;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use tokio::sync::Notify;
 
 /// The pools of one store. SQLite reads from a pool and writes through one
@@ -72,8 +72,8 @@ fn group_contention(error: &sqlx::Error) -> bool {
 /// duplicate (plugin, key). Expands in place so it works on every
 /// backend's connection type.
 macro_rules! insert_one {
-    ($conn:expr, $queries:expr, $job:expr) => {{
-        let (conn, queries, job) = ($conn, $queries, $job);
+    ($conn:expr, $queries:expr, $job:expr, $heads:expr) => {{
+        let (conn, queries, job, heads): (_, &Queries, _, bool) = ($conn, $queries, $job, $heads);
         async move {
             // The conflicting job can be pruned between the insert and the
             // read: try again then (pruning only removes old finished jobs).
@@ -88,9 +88,16 @@ macro_rules! insert_one {
                     .bind(job.max_attempts)
                     .bind(&job.correlation_id)
                     .bind(&job.group)
+                    .bind(i64::from(heads))
                     .fetch_optional(&mut *conn)
                     .await?;
                 if let Some(id) = id {
+                    if heads && job.group.is_some() {
+                        sqlx::query(&queries.group_open)
+                            .bind(format!("[{id}]"))
+                            .execute(&mut *conn)
+                            .await?;
+                    }
                     return Ok($crate::store::Enqueued {
                         id: $crate::store::JobId(id),
                         inserted: true,
@@ -125,7 +132,7 @@ macro_rules! insert_rows {
     ($conn:expr, $queries:expr, $jobs:expr) => {{
         let (conn, queries, jobs): (_, &Queries, &[&Insertable]) = ($conn, $queries, $jobs);
         async move {
-            if jobs.iter().all(|job| job.idempotency_key.is_none()) {
+            let results = if jobs.iter().all(|job| job.idempotency_key.is_none()) {
                 let ids: Vec<i64> = sqlx::query_scalar(&queries.job_insert_rows_unkeyed)
                     .bind_rows(insert_row_set(jobs))
                     .fetch_all(&mut *conn)
@@ -134,8 +141,36 @@ macro_rules! insert_rows {
                     unkeyed: ids,
                     ..Inserted::default()
                 };
-                return inserted.in_order(jobs);
+                inserted.in_order(jobs)?
+            } else {
+                insert_keyed_rows!(&mut *conn, queries, jobs)?
+            };
+            // Grouped jobs went in blocked: each group's oldest new job
+            // becomes its head unless an older open job is there.
+            let grouped: Vec<JobId> = results
+                .iter()
+                .zip(jobs)
+                .filter(|(enqueued, job)| enqueued.inserted && job.group.is_some())
+                .map(|(enqueued, _)| enqueued.id)
+                .collect();
+            if !grouped.is_empty() {
+                sqlx::query(&queries.group_open)
+                    .bind(ids_json(&grouped))
+                    .execute(&mut *conn)
+                    .await?;
             }
+            Ok::<_, StoreError>(results)
+        }
+        .await
+    }};
+}
+
+/// The keyed half of [`insert_rows!`]: a conflicting key inserts nothing
+/// and reads the job that holds it.
+macro_rules! insert_keyed_rows {
+    ($conn:expr, $queries:expr, $jobs:expr) => {{
+        let (conn, queries, jobs): (_, &Queries, &[&Insertable]) = ($conn, $queries, $jobs);
+        async move {
             let rows = sqlx::query(&queries.job_insert_rows)
                 .bind_rows(insert_row_set(jobs))
                 .fetch_all(&mut *conn)
@@ -169,6 +204,26 @@ macro_rules! insert_rows {
                 }
             }
             found.in_order(jobs)
+        }
+        .await
+    }};
+}
+
+/// The groups of jobs this transaction ended (succeeded, dead,
+/// cancelled): each one's oldest blocked job becomes its head
+/// (`Queries::group_next`). Nothing to do for jobs without a group.
+macro_rules! group_next {
+    ($conn:expr, $queries:expr, $groups:expr) => {{
+        let (conn, queries, groups): (_, &Queries, &BTreeSet<String>) = ($conn, $queries, $groups);
+        async move {
+            if !groups.is_empty() {
+                let groups: Vec<String> = groups.iter().cloned().collect();
+                sqlx::query(&queries.group_next)
+                    .bind(strings_json(&groups))
+                    .execute(&mut *conn)
+                    .await?;
+            }
+            Ok::<_, StoreError>(())
         }
         .await
     }};
@@ -371,8 +426,16 @@ impl Store for SqlStore {
     async fn job_insert(&self, job: NewJob) -> Result<Enqueued> {
         let job = input::insertable(job)?;
         let enqueued: Enqueued = with_db!(self, |_read, write| {
-            let mut conn = write.acquire().await?;
-            insert_one!(&mut *conn, &self.q, &job)?
+            if job.group.is_some() {
+                // The insert and its group's head check commit together.
+                let mut tx = write.begin_write().await?;
+                let enqueued = insert_one!(&mut *tx, &self.q, &job, true)?;
+                tx.commit().await?;
+                enqueued
+            } else {
+                let mut conn = write.acquire().await?;
+                insert_one!(&mut *conn, &self.q, &job, true)?
+            }
         });
         if enqueued.inserted {
             wake(&self.notify);
@@ -546,6 +609,7 @@ impl Store for SqlStore {
             let mut tx = write.begin_write().await?;
             let mut batch = Answers::new(plan.len());
             let mut children_inserted = false;
+            let mut ended_groups: BTreeSet<String> = BTreeSet::new();
             for (kind, sql) in [
                 (JobKind::Heartbeat, &self.q.job_heartbeat),
                 (JobKind::SavePlan, &self.q.job_save_plan),
@@ -572,10 +636,19 @@ impl Store for SqlStore {
                     }
                 }
                 for round in rounds(&writes, |w| w.fence.id.0) {
-                    let applied: Vec<i64> = sqlx::query_scalar(sql)
-                        .bind_rows(job_row_set(kind, &round)?)
-                        .fetch_all(&mut *tx)
-                        .await?;
+                    let applied: Vec<i64> = if matches!(kind, JobKind::Succeed | JobKind::Dead) {
+                        let ended: Vec<(i64, Option<String>)> = sqlx::query_as(sql)
+                            .bind_rows(job_row_set(kind, &round)?)
+                            .fetch_all(&mut *tx)
+                            .await?;
+                        ended_groups.extend(ended.iter().filter_map(|(_, g)| g.clone()));
+                        ended.into_iter().map(|(id, _)| id).collect()
+                    } else {
+                        sqlx::query_scalar(sql)
+                            .bind_rows(job_row_set(kind, &round)?)
+                            .fetch_all(&mut *tx)
+                            .await?
+                    };
                     batch.fences(&round, &applied);
                 }
             }
@@ -631,12 +704,12 @@ impl Store for SqlStore {
                 // one job in one statement would both read as applied.
                 let (mut done, mut fenced) = (Vec::new(), Vec::new());
                 for round in rounds(&whole, |w| w.fence.id.0) {
-                    let applied: HashSet<i64> = sqlx::query_scalar(&self.q.job_succeed)
+                    let ended: Vec<(i64, Option<String>)> = sqlx::query_as(&self.q.job_succeed)
                         .bind_rows(job_row_set(JobKind::Succeed, &round)?)
                         .fetch_all(&mut *tx)
-                        .await?
-                        .into_iter()
-                        .collect();
+                        .await?;
+                    ended_groups.extend(ended.iter().filter_map(|(_, g)| g.clone()));
+                    let applied: HashSet<i64> = ended.into_iter().map(|(id, _)| id).collect();
                     for write in round {
                         if applied.contains(&write.fence.id.0) {
                             done.push(write);
@@ -915,8 +988,9 @@ impl Store for SqlStore {
                     }
                 }
             }
+            group_next!(&mut *tx, &self.q, &ended_groups)?;
             tx.commit().await?;
-            let woken = children_inserted || batch.made_runnable;
+            let woken = children_inserted || batch.made_runnable || !ended_groups.is_empty();
             (batch, woken)
         });
         if wake_workers {
@@ -1010,12 +1084,15 @@ impl Store for SqlStore {
                         // the usual way, which tells which.
                         let finished = match &finish {
                             Some(job) => {
-                                let applied: Vec<i64> =
-                                    sqlx::query_scalar(&self.q.job_succeed_unless_locked)
+                                let ended: Vec<(i64, Option<String>)> =
+                                    sqlx::query_as(&self.q.job_succeed_unless_locked)
                                         .bind_rows(job_row_set(JobKind::Succeed, job)?)
                                         .fetch_all(&mut *tx)
                                         .await?;
-                                (!applied.is_empty()).then_some(Written::Job(Fence::Applied))
+                                let groups: BTreeSet<String> =
+                                    ended.iter().filter_map(|(_, g)| g.clone()).collect();
+                                group_next!(&mut *tx, &self.q, &groups)?;
+                                (!ended.is_empty()).then_some(Written::Job(Fence::Applied))
                             }
                             None => None,
                         };
@@ -1037,10 +1114,21 @@ impl Store for SqlStore {
             return Ok(Vec::new());
         }
         let ids: Vec<i64> = with_db!(self, |_read, write| {
-            sqlx::query_scalar(&self.q.job_rescue)
+            let mut tx = write.begin_write().await?;
+            let rescued: Vec<(i64, String, Option<String>)> = sqlx::query_as(&self.q.job_rescue)
                 .bind(i64::from(limit))
-                .fetch_all(write)
-                .await?
+                .fetch_all(&mut *tx)
+                .await?;
+            // A job rescued into the dead-letter queue lets its group's
+            // next job go.
+            let groups: BTreeSet<String> = rescued
+                .iter()
+                .filter(|(_, state, _)| state == JobState::Dead.as_str())
+                .filter_map(|(_, _, group)| group.clone())
+                .collect();
+            group_next!(&mut *tx, &self.q, &groups)?;
+            tx.commit().await?;
+            rescued.into_iter().map(|(id, _, _)| id).collect()
         });
         if !ids.is_empty() {
             wake(&self.notify);
@@ -1279,11 +1367,18 @@ impl Store for SqlStore {
 
     async fn job_cancel(&self, id: JobId) -> Result<bool> {
         with_db!(self, |_read, write| {
-            let result = sqlx::query(&self.q.job_cancel)
+            let mut tx = write.begin_write().await?;
+            let cancelled: Option<Option<String>> = sqlx::query_scalar(&self.q.job_cancel)
                 .bind(id.0)
-                .execute(write)
+                .fetch_optional(&mut *tx)
                 .await?;
-            let cancelled = result.rows_affected() > 0;
+            // A cancelled head lets the next job of its group go (a
+            // cancelled blocked job promotes one early: the claim's head
+            // check still orders the group).
+            let groups: BTreeSet<String> = cancelled.clone().flatten().into_iter().collect();
+            group_next!(&mut *tx, &self.q, &groups)?;
+            tx.commit().await?;
+            let cancelled = cancelled.is_some();
             if cancelled {
                 // A cancelled group head lets the next job of its group go,
                 // and no insert announces it.
@@ -1618,7 +1713,7 @@ impl Store for SqlStore {
             }
             let ticked = match &job {
                 Some(job) => {
-                    let enqueued = insert_one!(&mut *tx, &self.q, job)?;
+                    let enqueued = insert_one!(&mut *tx, &self.q, job, true)?;
                     sqlx::query(&self.q.schedule_set_job)
                         .bind(&tick.name)
                         .bind(enqueued.id.0)
@@ -2435,6 +2530,120 @@ mod postgres_plans {
                 wrong.push(format!("{name}: {problem}"));
             }
         }
+        store.close().await;
+        if let Ok(mut conn) =
+            <sqlx::PgConnection as sqlx::Connection>::connect(&database_url()).await
+        {
+            let _ = sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+                .execute(&mut conn)
+                .await;
+        }
+        assert!(wrong.is_empty(), "{wrong:#?}");
+    }
+
+    /// A hot group: 20,000 finished jobs (the last ANALYZE saw only those),
+    /// then a running head, 3,000 blocked jobs behind it and 100 plain jobs.
+    /// The group statements must read the group's index, never the primary
+    /// key filtered by group (a claim took minutes that way in the groups
+    /// review), and the claim must not read the blocked backlog at all.
+    #[tokio::test]
+    async fn group_statements_read_the_groups_index_with_stale_statistics() {
+        let schema = format!("idem_plans_{}", hex::encode(rand::random::<[u8; 6]>()));
+        let store =
+            super::super::postgres::connect_with_schema(&database_url(), &schema, Clock::Database)
+                .await
+                .expect("a PostgreSQL store");
+        let pool = store.postgres_pool().expect("PostgreSQL").clone();
+        let rows = "INSERT INTO jobs (queue, plugin, payload, run_at, state, attempt, \
+                    max_attempts, lease_owner, lease_until, correlation_id, created_at, \
+                    updated_at, group_key) \
+                    SELECT 'default', 'noop', '\\x7b7d', 1, $1, 0, 3, $2, $3, 'c', 1, 1, $4 \
+                    FROM generate_series(1, $5)";
+        let add = |state: &'static str,
+                   owner: Option<&'static str>,
+                   group: Option<&'static str>,
+                   n: i32| {
+            sqlx::query(rows)
+                .bind(state)
+                .bind(owner)
+                .bind(owner.map(|_| i64::MAX / 2))
+                .bind(group)
+                .bind(n)
+                .execute(&pool)
+        };
+        add("succeeded", None, Some("hot"), 20_000)
+            .await
+            .expect("finished");
+        sqlx::query("ANALYZE jobs")
+            .execute(&pool)
+            .await
+            .expect("analyze");
+        add("running", Some("w#1"), Some("hot"), 1)
+            .await
+            .expect("head");
+        add("blocked", None, Some("hot"), 3_000)
+            .await
+            .expect("backlog");
+        add("available", None, None, 100).await.expect("plain");
+        let blocked: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM jobs WHERE state = 'blocked' ORDER BY id DESC LIMIT 10",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("blocked ids");
+        let q = &store.q;
+        let mut tx = pool.begin().await.expect("begin");
+        let mut wrong = Vec::new();
+        let mut check = |name: &str, plan: &Value| {
+            for node in nodes(&plan[0]["Plan"]) {
+                let relation = node["Relation Name"].as_str().unwrap_or("");
+                let kind = node["Node Type"].as_str().unwrap_or("");
+                let index = node["Index Name"].as_str().unwrap_or("");
+                let reads_group = [&node["Filter"], &node["Index Cond"]]
+                    .iter()
+                    .any(|v| v.as_str().is_some_and(|t| t.contains("group_key")));
+                if relation != "jobs" {
+                    continue;
+                }
+                if kind == "Seq Scan" {
+                    wrong.push(format!("{name}: a sequential scan of jobs"));
+                }
+                if reads_group && index == "jobs_pkey" {
+                    wrong.push(format!("{name}: a group read through the primary key"));
+                }
+                if index == "jobs_claim" && node["Rows Removed by Filter"].as_f64() > Some(0.0) {
+                    wrong.push(format!(
+                        "{name}: the claim read {} jobs it could not take",
+                        node["Rows Removed by Filter"]
+                    ));
+                }
+            }
+        };
+        let plan: Value =
+            sqlx::query_scalar(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", q.job_claim))
+                .bind("w#2")
+                .bind(60_000i64)
+                .bind("default")
+                .bind(10i64)
+                .bind("{}")
+                .bind(3i64)
+                .fetch_one(&mut *tx)
+                .await
+                .expect("claim plan");
+        check("claim", &plan);
+        let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", q.group_next))
+            .bind(r#"["hot"]"#)
+            .fetch_one(&mut *tx)
+            .await
+            .expect("group_next plan");
+        check("group_next", &plan);
+        let plan: Value = sqlx::query_scalar(&format!("EXPLAIN (FORMAT JSON) {}", q.group_open))
+            .bind(serde_json::to_string(&blocked).expect("ids"))
+            .fetch_one(&mut *tx)
+            .await
+            .expect("group_open plan");
+        check("group_open", &plan);
+        tx.rollback().await.expect("rollback");
         store.close().await;
         if let Ok(mut conn) =
             <sqlx::PgConnection as sqlx::Connection>::connect(&database_url()).await

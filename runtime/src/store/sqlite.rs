@@ -38,6 +38,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     errors_col: "errors",
     skip_locked: "",
+    share_skip_locked: "",
     lock_jobs: "",
     greatest: "max",
     fence_eq: |column, value, _| format!("+{column} = '{value}'"),
@@ -172,7 +173,8 @@ async fn connect_once(url: &str, clock: Clock) -> Result<SqlStore> {
 /// ```
 pub async fn job_insert_in(conn: &mut SqliteConnection, job: NewJob) -> Result<Enqueued> {
     let job = input::insertable(job)?;
-    super::sql::insert_one!(conn, &*QUERIES, &job)
+    // SQLite has one writer: the group's head check is exact here too.
+    super::sql::insert_one!(conn, &*QUERIES, &job, true)
 }
 
 impl WritePool for SqlitePool {

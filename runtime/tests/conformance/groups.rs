@@ -51,7 +51,11 @@ pub async fn groups_run_one_at_a_time_in_enqueue_order(store: Arc<dyn Store>) {
         "the rest of order:1 waits while a1 runs"
     );
     let waiting = get(&store, a2).await;
-    assert_eq!(waiting.state, JobState::Available);
+    assert_eq!(
+        waiting.state,
+        JobState::Blocked,
+        "behind its group's head, out of the claim's way"
+    );
     assert_eq!(waiting.attempt, 0, "a waiting job uses no attempt");
 
     let a1_job = get(&store, a1).await;
@@ -59,6 +63,8 @@ pub async fn groups_run_one_at_a_time_in_enqueue_order(store: Arc<dyn Store>) {
         succeed(&store, &a1_job.fence()).await.unwrap(),
         Fence::Applied
     );
+    assert_eq!(get(&store, a2).await.state, JobState::Available);
+    assert_eq!(get(&store, a3).await.state, JobState::Blocked);
     assert_eq!(
         claim_ids(&store, "w", 10).await,
         vec![a2],
@@ -321,4 +327,124 @@ pub async fn group_claim_race_never_runs_two_of_a_group(store: Arc<dyn Store>) {
     }
     assert_eq!(seen.len() as u64, JOBS, "every job ran once");
     assert!(drained(&store).await);
+}
+
+/// The state of each job, in the order given.
+async fn states(store: &Arc<dyn Store>, ids: &[JobId]) -> Vec<JobState> {
+    let mut out = Vec::new();
+    for id in ids {
+        out.push(get(store, *id).await.state);
+    }
+    out
+}
+
+/// Only a group's head waits in the claim's index: the jobs behind it are
+/// `blocked`, whichever way they were enqueued, and each way a head ends
+/// (success, dead letter, cancel) makes the next one the head.
+pub async fn group_jobs_behind_the_head_are_blocked_until_it_ends(store: Arc<dyn Store>) {
+    use Available as A;
+    use Blocked as B;
+    use JobState::{Available, Blocked};
+    // One at a time.
+    let a: Vec<JobId> = vec![
+        insert(&store, grouped("a")).await,
+        insert(&store, grouped("a")).await,
+        insert(&store, grouped("a")).await,
+    ];
+    assert_eq!(states(&store, &a).await, vec![A, B, B]);
+    // A batch: its first job of a new group is the head.
+    let b: Vec<JobId> = store
+        .job_insert_many(vec![grouped("b"), job("g"), grouped("b"), grouped("a")])
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(
+        states(&store, &b).await,
+        vec![A, A, B, B],
+        "b's first job heads b; the plain job is not grouped; a has a head"
+    );
+    // A batch whose first job of a group is a key held by a finished job:
+    // the next new one is the head (nothing else would ever promote it).
+    let keyed = |key: &str| NewJob {
+        idempotency_key: Some(key.into()),
+        ..grouped("c")
+    };
+    let c0 = insert(&store, keyed("c-0")).await;
+    let head = claim_ids(&store, "w", 10).await;
+    assert_eq!(head, vec![a[0], b[0], b[1], c0]);
+    for id in &head {
+        let job = get(&store, *id).await;
+        assert_eq!(succeed(&store, &job.fence()).await.unwrap(), Fence::Applied);
+    }
+    let c: Vec<idem::store::Enqueued> = store
+        .job_insert_many(vec![keyed("c-0"), keyed("c-1"), keyed("c-2")])
+        .await
+        .unwrap();
+    assert_eq!((c[0].id, c[0].inserted), (c0, false));
+    assert_eq!(
+        states(&store, &[c[1].id, c[2].id]).await,
+        vec![A, B],
+        "c-1 heads c: c-0 is done"
+    );
+
+    // Ended by success (above): a's and b's next are heads.
+    assert_eq!(
+        states(&store, &[a[1], a[2], b[2], b[3]]).await,
+        vec![A, B, A, B]
+    );
+    // Ended by the dead-letter queue.
+    let a1 = claim_one(&store, "w", LONG).await;
+    assert_eq!(a1.id, a[1]);
+    dead_letter(
+        &store,
+        DeadParams {
+            fence: a1.fence(),
+            error: error(1, "permanent", "missing_reference"),
+            redact_payload: false,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(states(&store, &[a[2], b[3]]).await, vec![A, B]);
+    // Ended by a cancel of a waiting head: a[2] was a's head, and b[3]
+    // (a job of group a) is next.
+    assert!(store.job_cancel(a[2]).await.unwrap());
+    assert_eq!(states(&store, &[b[3]]).await, vec![A]);
+    // Nothing left blocked with no head: every group drains.
+    let mut done = 0;
+    loop {
+        let claimed = store.job_claim(claim_params("w", 10, LONG)).await.unwrap();
+        if claimed.is_empty() {
+            break;
+        }
+        for job in claimed {
+            assert_eq!(succeed(&store, &job.fence()).await.unwrap(), Fence::Applied);
+            done += 1;
+        }
+    }
+    assert_eq!(done, 4, "b[2], b[3], c-1 and c-2");
+    let stats = store.queue_stats(None).await.unwrap();
+    assert_eq!(stats.count(JobState::Blocked), 0);
+}
+
+/// A hot group's backlog is blocked, out of the claim's index: a claim
+/// finds the plain jobs behind it without reading the backlog.
+pub async fn group_hot_backlog_stays_out_of_the_claim(store: Arc<dyn Store>) {
+    let backlog: Vec<NewJob> = (0..2_000).map(|_| grouped("hot")).collect();
+    let hot = store.job_insert_many(backlog).await.unwrap();
+    let plain: Vec<JobId> = store
+        .job_insert_many((0..5).map(|_| job("g")).collect())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    let stats = store.queue_stats(None).await.unwrap();
+    assert_eq!(stats.count(JobState::Blocked), 1_999);
+    assert_eq!(stats.ready, 6, "the hot group's head and the plain jobs");
+    let mut want = vec![hot[0].id];
+    want.extend(&plain);
+    assert_eq!(claim_ids(&store, "w", 100).await, want);
 }

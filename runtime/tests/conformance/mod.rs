@@ -178,6 +178,8 @@ macro_rules! conformance_suite {
             groups::group_replayed_job_waits_for_the_running_one,
             groups::group_is_checked_at_insert,
             groups::group_claim_race_never_runs_two_of_a_group,
+            groups::group_jobs_behind_the_head_are_blocked_until_it_ends,
+            groups::group_hot_backlog_stays_out_of_the_claim,
         );
     };
     (@cases $factory:expr; $($area:ident :: $case:ident),* $(,)?) => {
