@@ -408,3 +408,293 @@ async fn pg_a_head_that_ends_while_a_job_is_enqueued_behind_it_promotes_it() {
         .execute(&mut producer)
         .await;
 }
+
+// ---------------------------------------------------------------------
+// Review of the `blocked` change (group heads): each test below fails on
+// 6eeecdc. They name the statements of `runtime/src/store/queries.rs`
+// (`job_cancel`, `group_open`, `group_next`) where a raw connection plays
+// one side of a race.
+
+/// A PostgreSQL store in a fresh schema, and a URL into that schema.
+async fn pg_store() -> (Arc<dyn Store>, String, String) {
+    let schema = format!("idem_rv_{}", hex::encode(rand::random::<[u8; 6]>()));
+    let store: Arc<dyn Store> = Arc::new(
+        connect_with_schema(&database_url(), &schema, Clock::Database)
+            .await
+            .expect("store"),
+    );
+    let url = format!("{}?options=-csearch_path%3D{schema}", database_url());
+    (store, url, schema)
+}
+
+async fn drop_schema(schema: &str) {
+    if let Ok(mut conn) = sqlx::PgConnection::connect(&database_url()).await {
+        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+            .execute(&mut conn)
+            .await;
+    }
+}
+
+/// Waits until the database shows a backend blocked by `pid`.
+async fn until_blocked_by(watcher: &mut sqlx::PgConnection, pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let blocked: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)))",
+        )
+        .bind(pid)
+        .fetch_one(&mut *watcher)
+        .await
+        .expect("blocking pids");
+        if blocked {
+            return;
+        }
+        assert!(Instant::now() < deadline, "nothing waited on {pid}");
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Operators cancelling a group's backlog (the API's cancel, several at
+/// once): each `job_cancel` of a blocked job locks its row, then its
+/// `group_next` updates the group's oldest *other* blocked job. Two
+/// cancels of B1 and B2 each hold their own row and wait for the other's:
+/// a deadlock, and PostgreSQL aborts one cancel with an error.
+#[tokio::test]
+async fn pg_concurrent_cancels_of_a_groups_blocked_jobs_do_not_deadlock() {
+    let (store, _url, schema) = pg_store().await;
+    let head = store.job_insert(grouped("G")).await.expect("head").id;
+    let claimed = store.job_claim(params("w", 10)).await.expect("claim");
+    assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![head]);
+    let backlog: Vec<JobId> = store
+        .job_insert_many((0..64).map(|_| grouped("G")).collect())
+        .await
+        .expect("backlog")
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    let tasks: Vec<_> = backlog
+        .iter()
+        .map(|id| {
+            let (store, id) = (store.clone(), *id);
+            tokio::spawn(async move { store.job_cancel(id).await })
+        })
+        .collect();
+    let mut failed = Vec::new();
+    for task in tasks {
+        match task.await.expect("task") {
+            Ok(true) => {}
+            other => failed.push(format!("{other:?}")),
+        }
+    }
+    drop_schema(&schema).await;
+    assert!(
+        failed.is_empty(),
+        "{} of 64 cancels failed, first: {:?}",
+        failed.len(),
+        failed.first()
+    );
+}
+
+/// The same deadlock, step by step: a cancel of B2 (a raw connection running
+/// `job_cancel` then `group_next` as the store does) and the store's cancel
+/// of B1.
+#[tokio::test]
+async fn pg_two_cancels_of_blocked_jobs_wait_for_each_other() {
+    let (store, url, schema) = pg_store().await;
+    let head = store.job_insert(grouped("G")).await.expect("head").id;
+    assert_eq!(
+        store.job_claim(params("w", 10)).await.expect("claim").len(),
+        1
+    );
+    let b: Vec<JobId> = store
+        .job_insert_many((0..3).map(|_| grouped("G")).collect())
+        .await
+        .expect("backlog")
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    assert!(head < b[0]);
+    let mut other = sqlx::PgConnection::connect(&url).await.expect("other");
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut other)
+        .await
+        .expect("pid");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("watcher");
+    // The other cancel's first statement: B2 is cancelled (and locked).
+    let mut otx = other.begin().await.expect("begin");
+    sqlx::query(
+        "UPDATE jobs SET state = 'cancelled', finished_at = 1, updated_at = 1 \
+         WHERE id = $1 AND state IN ('available', 'retrying', 'blocked')",
+    )
+    .bind(b[1].0)
+    .execute(&mut *otx)
+    .await
+    .expect("cancel B2");
+    // The store cancels B1; its group_next picks B2 (still blocked in its
+    // snapshot) and waits for the other cancel.
+    let s2 = store.clone();
+    let b1 = b[0];
+    let mine = tokio::spawn(async move { s2.job_cancel(b1).await });
+    until_blocked_by(&mut watcher, pid).await;
+    // The other cancel's group_next: G's oldest blocked job in its snapshot
+    // is B1 (the store's cancel has not committed).
+    let promoted =
+        sqlx::query("UPDATE jobs SET state = 'available' WHERE state = 'blocked' AND id = $1")
+            .bind(b[0].0)
+            .execute(&mut *otx)
+            .await;
+    let other_ok = match promoted {
+        Ok(_) => otx.commit().await.is_ok(),
+        Err(e) => {
+            eprintln!("the other cancel: {e}");
+            false
+        }
+    };
+    let mine = mine.await.expect("task");
+    drop_schema(&schema).await;
+    assert!(
+        other_ok && matches!(mine, Ok(true)),
+        "a deadlock: the other cancel ok = {other_ok}, the store's cancel = {mine:?}"
+    );
+}
+
+/// Two write batches (two nodes, or two commit lanes), each ending the head
+/// of one group and enqueueing a child into the other's group: each child's
+/// `group_open` share-locks the other group's tail (its blocked job), then
+/// each `group_next` updates its own group's blocked job, which the other
+/// holds. The raw connection plays batch X at the same points as the store
+/// plays batch A.
+#[tokio::test]
+async fn pg_write_batches_with_children_into_each_others_groups_do_not_deadlock() {
+    use idem::store::{ChildEffect, JobChange, Write};
+    let (store, url, schema) = pg_store().await;
+    let h1 = store.job_insert(grouped("G1")).await.expect("h1").id;
+    let h2 = store.job_insert(grouped("G2")).await.expect("h2").id;
+    let b1 = store.job_insert(grouped("G1")).await.expect("b1").id;
+    let b2 = store.job_insert(grouped("G2")).await.expect("b2").id;
+    let running = store.job_claim(params("w", 10)).await.expect("claim");
+    assert_eq!(
+        running.iter().map(|j| j.id).collect::<Vec<_>>(),
+        vec![h1, h2]
+    );
+    for id in [b1, b2] {
+        let job = store.job_get(id).await.expect("get").expect("job");
+        assert_eq!(job.state, JobState::Blocked);
+    }
+    let mut x = sqlx::PgConnection::connect(&url).await.expect("x");
+    let x_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut x)
+        .await
+        .expect("pid");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("watcher");
+    // Batch X: H2 succeeds, its child goes into G1 behind B1 (group_open
+    // share-locks G1's tail, B1).
+    let mut xtx = x.begin().await.expect("begin");
+    sqlx::query("UPDATE jobs SET state = 'succeeded', lease_owner = NULL WHERE id = $1")
+        .bind(h2.0)
+        .execute(&mut *xtx)
+        .await
+        .expect("h2 ends");
+    let tail: i64 = sqlx::query_scalar(
+        "SELECT id FROM jobs WHERE group_key = 'G1' \
+           AND state IN ('available', 'retrying', 'running', 'blocked') \
+         ORDER BY group_key DESC, id DESC LIMIT 1 FOR SHARE SKIP LOCKED",
+    )
+    .fetch_one(&mut *xtx)
+    .await
+    .expect("G1's tail");
+    assert_eq!(tail, b1.0);
+    // Batch A (the store): H1 succeeds with a child into G2 (its group_open
+    // share-locks B2), then its group_next waits for B1.
+    let h1_job = running.into_iter().next().expect("h1");
+    let child = ChildEffect {
+        key: "g/child-g2".into(),
+        older_key: None,
+        fingerprint: "f".into(),
+        child: NewJob {
+            idempotency_key: Some("g/child-g2".into()),
+            ..grouped("G2")
+        },
+    };
+    let s2 = store.clone();
+    let a = tokio::spawn(async move {
+        s2.write_batch(vec![Write::Job {
+            fence: h1_job.fence(),
+            change: JobChange::SucceedWithChildren {
+                plugin: "g".into(),
+                plan: "[]".into(),
+                plugin_hash: "h".into(),
+                children: vec![child],
+            },
+        }])
+        .await
+    });
+    until_blocked_by(&mut watcher, x_pid).await;
+    // Batch X's group_next: G2's oldest blocked job, B2.
+    let x_next =
+        sqlx::query("UPDATE jobs SET state = 'available' WHERE state = 'blocked' AND id = $1")
+            .bind(b2.0)
+            .execute(&mut *xtx)
+            .await;
+    let x_ok = match x_next {
+        Ok(_) => xtx.commit().await.is_ok(),
+        Err(e) => {
+            eprintln!("batch X: {e}");
+            false
+        }
+    };
+    let a = a.await.expect("task");
+    drop_schema(&schema).await;
+    assert!(
+        x_ok && a.is_ok(),
+        "a deadlock: batch X ok = {x_ok}, the store's batch = {a:?}"
+    );
+}
+
+/// Enqueue order is id order (README, "Groups"): N1 gets the lower id but
+/// its insert commits after N2's (its key waits for another producer's
+/// uncommitted insert of the same key, which then rolls back). N2's
+/// `group_open` did not see N1 and made N2 the head; N1's then saw N2 and
+/// left N1 blocked, behind a job enqueued after it. Before the change both
+/// were `available` and, once both had committed, the claim took N1 first.
+#[tokio::test]
+async fn pg_a_job_committed_late_with_a_lower_id_is_not_blocked_behind_a_later_one() {
+    let (store, url, schema) = pg_store().await;
+    let mut other = sqlx::PgConnection::connect(&url).await.expect("other");
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut other)
+        .await
+        .expect("pid");
+    let mut watcher = sqlx::PgConnection::connect(&url).await.expect("watcher");
+    let mut otx = other.begin().await.expect("begin");
+    let keyed = NewJob {
+        idempotency_key: Some("k".into()),
+        ..grouped("G")
+    };
+    job_insert_in(&mut otx, keyed.clone())
+        .await
+        .expect("the other producer's job");
+    let s2 = store.clone();
+    let first = tokio::spawn(async move { s2.job_insert(keyed).await });
+    until_blocked_by(&mut watcher, pid).await;
+    let n2 = store.job_insert(grouped("G")).await.expect("n2").id;
+    otx.rollback().await.expect("rollback");
+    let n1 = first.await.expect("task").expect("n1");
+    assert!(n1.inserted);
+    let n1 = n1.id;
+    assert!(n1 < n2, "n1 was given its id first");
+    let claimed: Vec<JobId> = store
+        .job_claim(params("w", 10))
+        .await
+        .expect("claim")
+        .into_iter()
+        .map(|j| j.id)
+        .collect();
+    let n1_state = store.job_get(n1).await.expect("get").expect("n1").state;
+    drop_schema(&schema).await;
+    assert_eq!(
+        claimed,
+        vec![n1],
+        "the oldest job of G runs first (n1 is {n1_state:?})"
+    );
+}
