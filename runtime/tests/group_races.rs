@@ -495,67 +495,63 @@ async fn pg_concurrent_cancels_of_a_groups_blocked_jobs_do_not_deadlock() {
     );
 }
 
-/// The same deadlock, step by step: a cancel of B2 (a raw connection running
-/// `job_cancel` then `group_next` as the store does) and the store's cancel
-/// of B1.
+/// The head ends while an operator cancels the job behind it: the
+/// writer's promotion picks B1, waits for the cancel, finds B1 cancelled
+/// on its re-check and promotes nothing, unless it looks again. It must:
+/// B2 is then the group's head, not a job left blocked with no head.
 #[tokio::test]
-async fn pg_two_cancels_of_blocked_jobs_wait_for_each_other() {
+async fn pg_a_head_ending_while_the_next_job_is_cancelled_promotes_the_one_after() {
     let (store, url, schema) = pg_store().await;
     let head = store.job_insert(grouped("G")).await.expect("head").id;
-    assert_eq!(
-        store.job_claim(params("w", 10)).await.expect("claim").len(),
-        1
-    );
+    let running = store.job_claim(params("w", 10)).await.expect("claim");
+    assert_eq!(running.iter().map(|j| j.id).collect::<Vec<_>>(), vec![head]);
     let b: Vec<JobId> = store
-        .job_insert_many((0..3).map(|_| grouped("G")).collect())
+        .job_insert_many((0..2).map(|_| grouped("G")).collect())
         .await
         .expect("backlog")
         .into_iter()
         .map(|e| e.id)
         .collect();
-    assert!(head < b[0]);
     let mut other = sqlx::PgConnection::connect(&url).await.expect("other");
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut other)
         .await
         .expect("pid");
     let mut watcher = sqlx::PgConnection::connect(&url).await.expect("watcher");
-    // The other cancel's first statement: B2 is cancelled (and locked).
+    // The operator's cancel of B1, not committed yet.
     let mut otx = other.begin().await.expect("begin");
-    sqlx::query(
-        "UPDATE jobs SET state = 'cancelled', finished_at = 1, updated_at = 1 \
-         WHERE id = $1 AND state IN ('available', 'retrying', 'blocked')",
-    )
-    .bind(b[1].0)
-    .execute(&mut *otx)
-    .await
-    .expect("cancel B2");
-    // The store cancels B1; its group_next picks B2 (still blocked in its
-    // snapshot) and waits for the other cancel.
+    sqlx::query("UPDATE jobs SET state = 'cancelled', finished_at = 1 WHERE id = $1")
+        .bind(b[0].0)
+        .execute(&mut *otx)
+        .await
+        .expect("cancel B1");
+    // The head's success: its promotion picks B1 and waits.
+    let job = running.into_iter().next().expect("head");
     let s2 = store.clone();
-    let b1 = b[0];
-    let mine = tokio::spawn(async move { s2.job_cancel(b1).await });
+    let finish = tokio::spawn(async move {
+        s2.write_batch(vec![idem::store::Write::Job {
+            fence: job.fence(),
+            change: idem::store::JobChange::Succeed {
+                plugin_hash: None,
+                plan: None,
+            },
+        }])
+        .await
+    });
     until_blocked_by(&mut watcher, pid).await;
-    // The other cancel's group_next: G's oldest blocked job in its snapshot
-    // is B1 (the store's cancel has not committed).
-    let promoted =
-        sqlx::query("UPDATE jobs SET state = 'available' WHERE state = 'blocked' AND id = $1")
-            .bind(b[0].0)
-            .execute(&mut *otx)
-            .await;
-    let other_ok = match promoted {
-        Ok(_) => otx.commit().await.is_ok(),
-        Err(e) => {
-            eprintln!("the other cancel: {e}");
-            false
-        }
-    };
-    let mine = mine.await.expect("task");
+    otx.commit().await.expect("the cancel commits");
+    finish.await.expect("task").expect("the success");
+    let b2 = store.job_get(b[1]).await.expect("get").expect("B2").state;
+    let claimed: Vec<JobId> = store
+        .job_claim(params("w", 10))
+        .await
+        .expect("claim")
+        .into_iter()
+        .map(|j| j.id)
+        .collect();
     drop_schema(&schema).await;
-    assert!(
-        other_ok && matches!(mine, Ok(true)),
-        "a deadlock: the other cancel ok = {other_ok}, the store's cancel = {mine:?}"
-    );
+    assert_eq!(b2, JobState::Available, "B2 is G's head");
+    assert_eq!(claimed, vec![b[1]]);
 }
 
 /// Two write batches (two nodes, or two commit lanes), each ending the head
@@ -651,14 +647,13 @@ async fn pg_write_batches_with_children_into_each_others_groups_do_not_deadlock(
     );
 }
 
-/// Enqueue order is id order (README, "Groups"): N1 gets the lower id but
-/// its insert commits after N2's (its key waits for another producer's
-/// uncommitted insert of the same key, which then rolls back). N2's
-/// `group_open` did not see N1 and made N2 the head; N1's then saw N2 and
-/// left N1 blocked, behind a job enqueued after it. Before the change both
-/// were `available` and, once both had committed, the claim took N1 first.
+/// Enqueue order is commit order (README, "Groups"): N1 gets the lower id
+/// but its insert commits after N2's (its key waits for another producer's
+/// uncommitted insert of the same key, which then rolls back). N2 committed
+/// first into an empty group and is its head; N1, committed behind it, is
+/// blocked, and runs next, before a job enqueued after both (N3).
 #[tokio::test]
-async fn pg_a_job_committed_late_with_a_lower_id_is_not_blocked_behind_a_later_one() {
+async fn pg_a_job_committed_late_with_a_lower_id_runs_after_the_head_and_before_later_jobs() {
     let (store, url, schema) = pg_store().await;
     let mut other = sqlx::PgConnection::connect(&url).await.expect("other");
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
@@ -683,18 +678,24 @@ async fn pg_a_job_committed_late_with_a_lower_id_is_not_blocked_behind_a_later_o
     assert!(n1.inserted);
     let n1 = n1.id;
     assert!(n1 < n2, "n1 was given its id first");
-    let claimed: Vec<JobId> = store
-        .job_claim(params("w", 10))
-        .await
-        .expect("claim")
-        .into_iter()
-        .map(|j| j.id)
-        .collect();
-    let n1_state = store.job_get(n1).await.expect("get").expect("n1").state;
+    let n3 = store.job_insert(grouped("G")).await.expect("n3").id;
+    let mut ran = Vec::new();
+    for _ in 0..3 {
+        let claimed = store.job_claim(params("w", 10)).await.expect("claim");
+        assert_eq!(claimed.len(), 1, "one job of G at a time: {claimed:?}");
+        let job = &claimed[0];
+        ran.push(job.id);
+        store
+            .write_batch(vec![idem::store::Write::Job {
+                fence: job.fence(),
+                change: idem::store::JobChange::Succeed {
+                    plugin_hash: None,
+                    plan: None,
+                },
+            }])
+            .await
+            .expect("success");
+    }
     drop_schema(&schema).await;
-    assert_eq!(
-        claimed,
-        vec![n1],
-        "the oldest job of G runs first (n1 is {n1_state:?})"
-    );
+    assert_eq!(ran, vec![n2, n1, n3], "commit order: n2, then n1, then n3");
 }

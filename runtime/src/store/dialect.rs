@@ -55,6 +55,9 @@ pub(crate) struct Dialect {
     /// Share-locks the rows a subquery reads, skipping rows locked by a
     /// writer (nothing on SQLite, which has one writer).
     pub share_skip_locked: &'static str,
+    /// Locks the rows a select reads until the transaction ends (nothing
+    /// on SQLite, whose write transaction holds the database).
+    pub for_update: &'static str,
     /// Appended to a select of job rows that must not change until the
     /// transaction commits (`FOR SHARE OF jobs`).
     pub lock_jobs: &'static str,

@@ -306,12 +306,11 @@ mod tests {
             .await
             .expect("an insert through the view");
         }
-        let states: Vec<(String, String)> = sqlx::query_as(
-            "SELECT group_key, state FROM jobs WHERE id > 7 ORDER BY id",
-        )
-        .fetch_all(&mut conn)
-        .await
-        .expect("states");
+        let states: Vec<(String, String)> =
+            sqlx::query_as("SELECT group_key, state FROM jobs WHERE id > 7 ORDER BY id")
+                .fetch_all(&mut conn)
+                .await
+                .expect("states");
         assert_eq!(
             states,
             [

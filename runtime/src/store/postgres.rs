@@ -47,6 +47,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     now: "(extract(epoch from statement_timestamp()) * 1000)::bigint",
     errors_col: "errors::text",
     skip_locked: "FOR UPDATE SKIP LOCKED",
+    for_update: "FOR UPDATE",
     share_skip_locked: "FOR SHARE SKIP LOCKED",
     lock_jobs: "FOR SHARE OF jobs",
     greatest: "GREATEST",

@@ -94,6 +94,7 @@ pub(crate) struct Queries {
     pub job_insert_rows_unkeyed: String,
     pub group_open: String,
     pub group_next: String,
+    pub groups_blocked: String,
     pub jobs_by_keys: String,
     pub job_get: String,
     pub job_list: String,
@@ -130,6 +131,7 @@ pub(crate) struct Queries {
     pub effects_drop_failed: String,
     pub plan_discard: String,
     pub job_cancel: String,
+    pub job_state_locked: String,
     pub jobs_prune: String,
     pub dead_payloads: String,
     pub job_set_payload: String,
@@ -328,14 +330,23 @@ impl Queries {
                     )
                 ),
             )),
+            // Which of the groups `$1` still have a blocked job.
+            groups_blocked: x(&format!(
+                "SELECT gs.value FROM ({groups}) AS gs \
+                 WHERE EXISTS (SELECT 1 FROM jobs b WHERE b.group_key = gs.value \
+                     AND b.{GROUP_OPEN} AND b.state = 'blocked')",
+                groups = (d.text_list)("$1"),
+            )),
             // The groups `$1` lost a live job (succeeded, dead, cancelled):
             // the oldest blocked job of each becomes its head. Read in the
             // order of `jobs_group_open`, so a hot group costs one step, not
-            // a scan of its backlog. A job another transaction promoted
-            // meanwhile is re-checked and left alone.
+            // a scan of its backlog. A job another transaction changed
+            // meanwhile (cancelled, promoted) is re-checked and left alone;
+            // the caller tries again for the groups it promoted nothing in
+            // (`group_next!`).
             group_next: x(&format!(
                 "UPDATE jobs SET state = 'available', updated_at = {{now}} \
-                 WHERE state = 'blocked' AND {picked}",
+                 WHERE state = 'blocked' AND {picked} RETURNING group_key",
                 picked = (d.ids_in)(
                     "id",
                     &format!(
@@ -597,12 +608,12 @@ impl Queries {
                 "UPDATE jobs SET plan = NULL, plan_hash = NULL, updated_at = {now} \
                  WHERE id = $1 AND state = 'dead'",
             ),
-            // A waiting job, blocked behind its group or not; its group
-            // comes back for the next job's promotion.
+            // A waiting job, blocked behind its group or not.
             job_cancel: x("UPDATE jobs SET state = 'cancelled', finished_at = {now}, \
                      updated_at = {now} \
-                 WHERE id = $1 AND state IN ('available', 'retrying', 'blocked') \
-                 RETURNING group_key"),
+                 WHERE id = $1 AND state IN ('available', 'retrying', 'blocked')"),
+            // A job's state and group, locked until the transaction ends.
+            job_state_locked: x("SELECT state, group_key FROM jobs WHERE id = $1 {for_update}"),
             // `$3` is the smaller retention, so the index on finished_at
             // bounds the scan.
             // The conditions are repeated outside the subquery, so a row
@@ -947,6 +958,7 @@ fn expand(d: &Dialect, keys: &Keys, now: &str, text: &str) -> String {
         .replace("{effect_cols}", EFFECT_COLS)
         .replace("{errors}", d.errors_col)
         .replace("{share_skip_locked}", d.share_skip_locked)
+        .replace("{for_update}", d.for_update)
         .replace("{skip_locked}", d.skip_locked)
         .replace("{lock_jobs}", d.lock_jobs)
         .replace("{greatest}", d.greatest)

@@ -211,23 +211,48 @@ macro_rules! insert_keyed_rows {
 
 /// The groups of jobs this transaction ended (succeeded, dead,
 /// cancelled): each one's oldest blocked job becomes its head
-/// (`Queries::group_next`). Nothing to do for jobs without a group.
+/// (`Queries::group_next`). On PostgreSQL the job it picks may change
+/// under it (cancelled by another transaction, which it waited for): the
+/// statement runs again, on a fresh snapshot, for the groups that still
+/// have a blocked job and got no head, so none is left without one.
+/// Nothing to do for jobs without a group.
 macro_rules! group_next {
     ($conn:expr, $queries:expr, $groups:expr) => {{
-        let (conn, queries, groups): (_, &Queries, &BTreeSet<String>) = ($conn, $queries, $groups);
+        let (conn, queries, groups): (_, &Queries, &BTreeSet<String>) =
+            ($conn, $queries, $groups);
         async move {
-            if !groups.is_empty() {
-                let groups: Vec<String> = groups.iter().cloned().collect();
-                sqlx::query(&queries.group_next)
-                    .bind(strings_json(&groups))
-                    .execute(&mut *conn)
+            let mut waiting: Vec<String> = groups.iter().cloned().collect();
+            for _ in 0..GROUP_NEXT_TRIES {
+                if waiting.is_empty() {
+                    break;
+                }
+                let promoted: HashSet<String> = sqlx::query_scalar(&queries.group_next)
+                    .bind(strings_json(&waiting))
+                    .fetch_all(&mut *conn)
+                    .await?
+                    .into_iter()
+                    .collect();
+                waiting.retain(|g| !promoted.contains(g));
+                if waiting.is_empty() {
+                    break;
+                }
+                waiting = sqlx::query_scalar(&queries.groups_blocked)
+                    .bind(strings_json(&waiting))
+                    .fetch_all(&mut *conn)
                     .await?;
+            }
+            if !waiting.is_empty() {
+                tracing::warn!(groups = ?waiting, "groups kept changing while their next job was promoted");
             }
             Ok::<_, StoreError>(())
         }
         .await
     }};
 }
+
+/// Times `group_next!` picks a group's next job again after the one it
+/// picked changed under it.
+const GROUP_NEXT_TRIES: usize = 4;
 
 /// Wakes in-process waiters of [`Store::wait_for_jobs`]: everyone waiting
 /// now, plus one permit for a waiter about to wait (so a job inserted
@@ -653,6 +678,14 @@ impl Store for SqlStore {
                 }
             }
 
+            // Promotions before any child is inserted: an insert share-locks
+            // an open job of its group (skipping locked rows, never waiting),
+            // so taking the promotions' row locks after one could deadlock
+            // with another batch doing the same the other way round.
+            group_next!(&mut *tx, &self.q, &ended_groups)?;
+            let mut groups_moved = !ended_groups.is_empty();
+            ended_groups.clear();
+
             // Plans made only of `jobs` effects: ledger rows, children and
             // the job's success in this one transaction.
             let finishing = plan.jobs_of(JobKind::SucceedWithChildren);
@@ -718,6 +751,8 @@ impl Store for SqlStore {
                         }
                     }
                 }
+                group_next!(&mut *tx, &self.q, &ended_groups)?;
+                groups_moved |= !ended_groups.is_empty();
                 for write in &fenced {
                     undo.extend(ledger_keys(write, false));
                     batch.answer(write.index, Written::Children(ChildrenWritten::FencedOut));
@@ -988,9 +1023,8 @@ impl Store for SqlStore {
                     }
                 }
             }
-            group_next!(&mut *tx, &self.q, &ended_groups)?;
             tx.commit().await?;
-            let woken = children_inserted || batch.made_runnable || !ended_groups.is_empty();
+            let woken = children_inserted || batch.made_runnable || groups_moved;
             (batch, woken)
         });
         if wake_workers {
@@ -1368,17 +1402,27 @@ impl Store for SqlStore {
     async fn job_cancel(&self, id: JobId) -> Result<bool> {
         with_db!(self, |_read, write| {
             let mut tx = write.begin_write().await?;
-            let cancelled: Option<Option<String>> = sqlx::query_scalar(&self.q.job_cancel)
+            // Read first, locked: only a live job's cancel moves its group
+            // on. A blocked job's cancel promotes nothing (its group's head
+            // is still there), and must not: two such cancels would each
+            // lock their own job, then the other's to promote it.
+            let before: Option<(String, Option<String>)> = sqlx::query_as(&self.q.job_state_locked)
                 .bind(id.0)
                 .fetch_optional(&mut *tx)
                 .await?;
-            // A cancelled head lets the next job of its group go (a
-            // cancelled blocked job promotes one early: the claim's head
-            // check still orders the group).
-            let groups: BTreeSet<String> = cancelled.clone().flatten().into_iter().collect();
+            let result = sqlx::query(&self.q.job_cancel)
+                .bind(id.0)
+                .execute(&mut *tx)
+                .await?;
+            let cancelled = result.rows_affected() > 0;
+            let groups: BTreeSet<String> = match before {
+                Some((state, Some(group))) if cancelled && state != JobState::Blocked.as_str() => {
+                    BTreeSet::from([group])
+                }
+                _ => BTreeSet::new(),
+            };
             group_next!(&mut *tx, &self.q, &groups)?;
             tx.commit().await?;
-            let cancelled = cancelled.is_some();
             if cancelled {
                 // A cancelled group head lets the next job of its group go,
                 // and no insert announces it.
@@ -1484,30 +1528,45 @@ impl Store for SqlStore {
             Counts,
             Counts,
         ) = with_db!(self, |read, _write| {
+            // One snapshot for every count: read in two statements, a job
+            // claimed in between would count neither ready (the second
+            // read) nor running (the first), and `exit_when_drained` would
+            // stop with jobs left.
+            let mut tx = read.begin().await?;
+            if self.kind == BackendKind::Postgres {
+                sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                    .execute(&mut *tx)
+                    .await?;
+            }
             let (counts, ready) = match queue {
                 Some(queue) => (
                     sqlx::query_as(&self.q.stats_counts_queue)
                         .bind(queue)
-                        .fetch_all(read)
+                        .fetch_all(&mut *tx)
                         .await?,
                     sqlx::query_as(&self.q.stats_ready_queue)
                         .bind(queue)
-                        .fetch_one(read)
+                        .fetch_one(&mut *tx)
                         .await?,
                 ),
                 None => (
-                    sqlx::query_as(&self.q.stats_counts).fetch_all(read).await?,
-                    sqlx::query_as(&self.q.stats_ready).fetch_one(read).await?,
+                    sqlx::query_as(&self.q.stats_counts)
+                        .fetch_all(&mut *tx)
+                        .await?,
+                    sqlx::query_as(&self.q.stats_ready)
+                        .fetch_one(&mut *tx)
+                        .await?,
                 ),
             };
             let recent = sqlx::query_as(&self.q.stats_recent)
                 .bind(queue)
-                .fetch_all(read)
+                .fetch_all(&mut *tx)
                 .await?;
             let dead_codes = sqlx::query_as(&self.q.stats_dead_codes)
                 .bind(queue)
-                .fetch_all(read)
+                .fetch_all(&mut *tx)
                 .await?;
+            tx.commit().await?;
             (counts, ready, recent, dead_codes)
         });
         let mut by_state: Vec<(JobState, i64)> = JobState::ALL.iter().map(|s| (*s, 0)).collect();

@@ -38,6 +38,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     now: "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
     errors_col: "errors",
     skip_locked: "",
+    for_update: "",
     share_skip_locked: "",
     lock_jobs: "",
     greatest: "max",
