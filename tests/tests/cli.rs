@@ -1326,4 +1326,19 @@ async fn schedules_list_shows_next_and_last_runs() {
         stderr.contains("schedule \"typo\"") && stderr.contains("Europe/Pariss"),
         "{stderr}"
     );
+
+    // A schedule of a plugin the worker does not load stops it at start,
+    // not at the first tick.
+    std::fs::write(
+        dir.path().join("idem.toml"),
+        "[[schedules]]\nname = \"ghost\"\ncron = \"* * * * *\"\nplugin = \"nope\"\n",
+    )
+    .unwrap();
+    let refused = idem_in(dir.path(), &["run", "--exit-when-drained"], &[]);
+    assert_eq!(refused.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("schedule \"ghost\": plugin \"nope\" is not loaded"),
+        "{stderr}"
+    );
 }

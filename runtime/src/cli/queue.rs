@@ -221,6 +221,45 @@ fn manifest_attempts(plugins_dir: &Path, plugin: &str) -> Option<u32> {
         .and_then(|m| m.max_attempts)
 }
 
+/// The schedules a worker runs, each checked against the loaded plugins
+/// (a schedule of a plugin not loaded is refused at start, not at its
+/// first tick) and given its jobs' attempts: its own `max_attempts`, else
+/// the plugin's operator file's, else the worker's `default`.
+///
+/// `settings.schedules = schedules_for(&registry, &settings.schedules, 10)?;`
+fn schedules_for(
+    registry: &crate::plugins::PluginRegistry,
+    schedules: &[crate::schedule::Schedule],
+    default: u32,
+) -> Result<Vec<crate::schedule::Schedule>, CliError> {
+    schedules
+        .iter()
+        .map(|schedule| {
+            let plugin = registry.get(&schedule.plugin).ok_or_else(|| {
+                CliError::Usage(format!(
+                    "schedule {:?}: plugin {:?} is not loaded (plugins: {})",
+                    schedule.name,
+                    schedule.plugin,
+                    registry
+                        .list()
+                        .iter()
+                        .map(|p| p.name().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+            let mut schedule = schedule.clone();
+            schedule.max_attempts = Some(
+                schedule
+                    .max_attempts
+                    .or(plugin.manifest.max_attempts)
+                    .unwrap_or(default),
+            );
+            Ok(schedule)
+        })
+        .collect()
+}
+
 /// One line of `idem enqueue --batch`.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -380,6 +419,7 @@ pub async fn run(config: &Config, plugins_dir: &Path, args: RunArgs) -> Result<(
     let store = store(config).await?;
     let mut settings = WorkerSettings::from_config(config);
     settings.exit_when_drained = args.exit_when_drained;
+    settings.schedules = schedules_for(&registry, &settings.schedules, settings.max_attempts)?;
     if let Some(queues) = &args.queues {
         settings.queues = crate::config::parse_queues(queues)
             .map_err(|e| CliError::Usage(format!("--queues: {e}")))?;

@@ -65,6 +65,10 @@ pub struct Schedule {
     /// The jobs' group, if any: with one, a tick's job waits for the one
     /// before it to finish (a long run never overlaps the next).
     pub group: Option<String>,
+    /// Attempts of each tick's job; `None`: the plugin's operator file
+    /// (`max_attempts` in `<plugin>.toml`), else the worker's setting, as
+    /// for any enqueue.
+    pub max_attempts: Option<u32>,
     parsed: croner::Cron,
     zone: Zone,
 }
@@ -89,6 +93,8 @@ struct ScheduleToml {
     catch_up_limit: u32,
     #[serde(default)]
     group: Option<String>,
+    #[serde(default)]
+    max_attempts: Option<u32>,
 }
 
 fn utc() -> String {
@@ -148,6 +154,9 @@ impl TryFrom<ScheduleToml> for Schedule {
                 "catch_up_limit must be at least 1 with missed = \"all\"".into(),
             ));
         }
+        if t.max_attempts == Some(0) {
+            return Err(fail("max_attempts must be at least 1".into()));
+        }
         if t.catch_up_limit > MAX_CATCH_UP_LIMIT {
             return Err(fail(format!(
                 "catch_up_limit is at most {MAX_CATCH_UP_LIMIT} (each missed tick is a job and a transaction)"
@@ -163,6 +172,7 @@ impl TryFrom<ScheduleToml> for Schedule {
             missed: t.missed,
             catch_up_limit: t.catch_up_limit,
             group: t.group.clone(),
+            max_attempts: t.max_attempts,
             parsed,
             zone,
         };
@@ -208,13 +218,14 @@ impl Schedule {
         None
     }
 
-    /// The job of one tick (its key is set when the tick is recorded).
+    /// The job of one tick (its key is set when the tick is recorded), with
+    /// the schedule's own `max_attempts`, else `max_attempts`.
     ///
     /// `let job = schedule.job(tick_ms, 10);`
     pub fn job(&self, tick_ms: i64, max_attempts: u32) -> NewJob {
         NewJob {
             queue: self.queue.clone(),
-            max_attempts,
+            max_attempts: self.max_attempts.unwrap_or(max_attempts),
             idempotency_key: Some(crate::store::schedule_key(&self.name, tick_ms)),
             group: self.group.clone(),
             ..NewJob::new(self.plugin.clone(), self.payload.clone())
@@ -267,6 +278,24 @@ mod tests {
                 crate::store::rfc3339(at)
             })
             .collect()
+    }
+
+    #[test]
+    fn a_schedule_may_set_its_jobs_attempts_and_zero_is_refused() {
+        let own: Schedule = toml::from_str(
+            "name = \"sync\"\ncron = \"* * * * *\"\nplugin = \"p\"\nmax_attempts = 1",
+        )
+        .expect("schedule");
+        assert_eq!(own.job(0, 7).max_attempts, 1, "the schedule's own number");
+        let default: Schedule =
+            toml::from_str("name = \"sync\"\ncron = \"* * * * *\"\nplugin = \"p\"")
+                .expect("schedule");
+        assert_eq!(default.job(0, 7).max_attempts, 7, "the default given");
+        let zero = toml::from_str::<Schedule>(
+            "name = \"sync\"\ncron = \"* * * * *\"\nplugin = \"p\"\nmax_attempts = 0",
+        )
+        .expect_err("zero attempts");
+        assert!(zero.to_string().contains("max_attempts"), "{zero}");
     }
 
     #[test]
