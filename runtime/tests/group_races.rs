@@ -435,6 +435,22 @@ async fn drop_schema(schema: &str) {
     }
 }
 
+/// Group G with its head claimed (running) and `n` jobs blocked behind
+/// it: the head's claimed job and the backlog's ids.
+async fn running_head_and_backlog(store: &dyn Store, n: usize) -> (idem::store::Job, Vec<JobId>) {
+    let head = store.job_insert(grouped("G")).await.expect("head").id;
+    let mut running = store.job_claim(params("w", 10)).await.expect("claim");
+    assert_eq!(running.iter().map(|j| j.id).collect::<Vec<_>>(), vec![head]);
+    let backlog = store
+        .job_insert_many((0..n).map(|_| grouped("G")).collect())
+        .await
+        .expect("backlog")
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    (running.remove(0), backlog)
+}
+
 /// Waits until the database shows a backend blocked by `pid`.
 async fn until_blocked_by(watcher: &mut sqlx::PgConnection, pid: i32) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -455,23 +471,15 @@ async fn until_blocked_by(watcher: &mut sqlx::PgConnection, pid: i32) {
 }
 
 /// Operators cancelling a group's backlog (the API's cancel, several at
-/// once): each `job_cancel` of a blocked job locks its row, then its
-/// `group_next` updates the group's oldest *other* blocked job. Two
-/// cancels of B1 and B2 each hold their own row and wait for the other's:
-/// a deadlock, and PostgreSQL aborts one cancel with an error.
+/// once). A `job_cancel` of a blocked job used to lock its row, then
+/// promote the group's oldest *other* blocked job: two cancels of B1 and B2
+/// each held their own row and waited for the other's, a deadlock, and
+/// PostgreSQL aborted one cancel with an error. A blocked job's cancel now
+/// promotes nothing.
 #[tokio::test]
 async fn pg_concurrent_cancels_of_a_groups_blocked_jobs_do_not_deadlock() {
     let (store, _url, schema) = pg_store().await;
-    let head = store.job_insert(grouped("G")).await.expect("head").id;
-    let claimed = store.job_claim(params("w", 10)).await.expect("claim");
-    assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![head]);
-    let backlog: Vec<JobId> = store
-        .job_insert_many((0..64).map(|_| grouped("G")).collect())
-        .await
-        .expect("backlog")
-        .into_iter()
-        .map(|e| e.id)
-        .collect();
+    let (_head, backlog) = running_head_and_backlog(&*store, 64).await;
     let tasks: Vec<_> = backlog
         .iter()
         .map(|id| {
@@ -502,16 +510,7 @@ async fn pg_concurrent_cancels_of_a_groups_blocked_jobs_do_not_deadlock() {
 #[tokio::test]
 async fn pg_a_head_ending_while_the_next_job_is_cancelled_promotes_the_one_after() {
     let (store, url, schema) = pg_store().await;
-    let head = store.job_insert(grouped("G")).await.expect("head").id;
-    let running = store.job_claim(params("w", 10)).await.expect("claim");
-    assert_eq!(running.iter().map(|j| j.id).collect::<Vec<_>>(), vec![head]);
-    let b: Vec<JobId> = store
-        .job_insert_many((0..2).map(|_| grouped("G")).collect())
-        .await
-        .expect("backlog")
-        .into_iter()
-        .map(|e| e.id)
-        .collect();
+    let (job, b) = running_head_and_backlog(&*store, 2).await;
     let mut other = sqlx::PgConnection::connect(&url).await.expect("other");
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut other)
@@ -526,7 +525,6 @@ async fn pg_a_head_ending_while_the_next_job_is_cancelled_promotes_the_one_after
         .await
         .expect("cancel B1");
     // The head's success: its promotion picks B1 and waits.
-    let job = running.into_iter().next().expect("head");
     let s2 = store.clone();
     let finish = tokio::spawn(async move {
         s2.write_batch(vec![idem::store::Write::Job {
