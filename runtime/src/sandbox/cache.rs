@@ -54,7 +54,13 @@ fn store(path: &Path, artifact: &[u8]) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // A name of this write's own: two threads of one process storing the
+    // same artifact at once (tests share one cache across parallel
+    // sandboxes) would otherwise write one file together, and the first
+    // rename could publish the other's half-written bytes.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
     std::fs::write(&tmp, artifact)?;
     std::fs::rename(&tmp, path)
 }
