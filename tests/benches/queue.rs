@@ -9,8 +9,21 @@ use idem_tests::{Backend, Harness};
 use std::time::Instant;
 
 fn main() {
-    // `cargo test --all-targets` runs benches with `--bench`-less args: keep it quick.
-    let quick = !std::env::args().any(|a| a == "--bench");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // cargo-nextest lists a target without the test harness with `--list
+    // --format terse` (and again with `--ignored`), then runs each listed
+    // test as `NAME --exact ..`: one test, `quick`, the run below without
+    // `--bench`. Without this `cargo nextest run --all-targets` stops at
+    // listing (docs/first-run.md, 2026-12-08).
+    if args.iter().any(|a| a == "--list") {
+        if !args.iter().any(|a| a == "--ignored") {
+            println!("quick: test");
+        }
+        return;
+    }
+    // `cargo test --all-targets` and nextest run benches with `--bench`-less
+    // args: keep it quick.
+    let quick = !args.iter().any(|a| a == "--bench");
     let jobs: usize = std::env::var("IDEM_BENCH_JOBS")
         .ok()
         .and_then(|n| n.parse().ok())
