@@ -303,13 +303,7 @@ async fn pg_a_finished_group_head_wakes_other_nodes() {
 /// new job is its group's head.
 #[tokio::test]
 async fn pg_a_job_enqueued_while_its_head_ends_is_not_left_blocked() {
-    let schema = format!("idem_rv_{}", hex::encode(rand::random::<[u8; 6]>()));
-    let store: Arc<dyn Store> = Arc::new(
-        connect_with_schema(&database_url(), &schema, Clock::Database)
-            .await
-            .expect("store"),
-    );
-    let url = format!("{}?options=-csearch_path%3D{schema}", database_url());
+    let (store, url, schema) = pg_store().await;
     let head = store.job_insert(grouped("G")).await.expect("head").id;
     let claimed = store.job_claim(params("w", 10)).await.expect("claim");
     assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![head]);
@@ -345,9 +339,7 @@ async fn pg_a_job_enqueued_while_its_head_ends_is_not_left_blocked() {
     let claimed = store.job_claim(params("w", 10)).await.expect("claim");
     assert_eq!(claimed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![next]);
     drop(store);
-    let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
-        .execute(&mut writer)
-        .await;
+    drop_schema(&schema).await;
 }
 
 /// The other order: a producer's insert behind a running head has not
@@ -355,13 +347,7 @@ async fn pg_a_job_enqueued_while_its_head_ends_is_not_left_blocked() {
 /// insert (the insert share-locks the head), then sees and promotes it.
 #[tokio::test]
 async fn pg_a_head_that_ends_while_a_job_is_enqueued_behind_it_promotes_it() {
-    let schema = format!("idem_rv_{}", hex::encode(rand::random::<[u8; 6]>()));
-    let store: Arc<dyn Store> = Arc::new(
-        connect_with_schema(&database_url(), &schema, Clock::Database)
-            .await
-            .expect("store"),
-    );
-    let url = format!("{}?options=-csearch_path%3D{schema}", database_url());
+    let (store, url, schema) = pg_store().await;
     let head = store.job_insert(grouped("G")).await.expect("head").id;
     let running = store.job_claim(params("w", 10)).await.expect("claim");
     assert_eq!(running.len(), 1);
@@ -404,9 +390,7 @@ async fn pg_a_head_that_ends_while_a_job_is_enqueued_behind_it_promotes_it() {
         JobState::Available
     );
     drop(store);
-    let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
-        .execute(&mut producer)
-        .await;
+    drop_schema(&schema).await;
 }
 
 // ---------------------------------------------------------------------

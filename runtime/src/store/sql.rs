@@ -662,12 +662,11 @@ impl Store for SqlStore {
                 }
                 for round in rounds(&writes, |w| w.fence.id.0) {
                     let applied: Vec<i64> = if matches!(kind, JobKind::Succeed | JobKind::Dead) {
-                        let ended: Vec<(i64, Option<String>)> = sqlx::query_as(sql)
+                        let ended = sqlx::query_as(sql)
                             .bind_rows(job_row_set(kind, &round)?)
                             .fetch_all(&mut *tx)
                             .await?;
-                        ended_groups.extend(ended.iter().filter_map(|(_, g)| g.clone()));
-                        ended.into_iter().map(|(id, _)| id).collect()
+                        ended_ids(ended, &mut ended_groups)
                     } else {
                         sqlx::query_scalar(sql)
                             .bind_rows(job_row_set(kind, &round)?)
@@ -737,12 +736,12 @@ impl Store for SqlStore {
                 // one job in one statement would both read as applied.
                 let (mut done, mut fenced) = (Vec::new(), Vec::new());
                 for round in rounds(&whole, |w| w.fence.id.0) {
-                    let ended: Vec<(i64, Option<String>)> = sqlx::query_as(&self.q.job_succeed)
+                    let ended = sqlx::query_as(&self.q.job_succeed)
                         .bind_rows(job_row_set(JobKind::Succeed, &round)?)
                         .fetch_all(&mut *tx)
                         .await?;
-                    ended_groups.extend(ended.iter().filter_map(|(_, g)| g.clone()));
-                    let applied: HashSet<i64> = ended.into_iter().map(|(id, _)| id).collect();
+                    let applied: HashSet<i64> =
+                        ended_ids(ended, &mut ended_groups).into_iter().collect();
                     for write in round {
                         if applied.contains(&write.fence.id.0) {
                             done.push(write);
@@ -1118,13 +1117,12 @@ impl Store for SqlStore {
                         // the usual way, which tells which.
                         let finished = match &finish {
                             Some(job) => {
-                                let ended: Vec<(i64, Option<String>)> =
-                                    sqlx::query_as(&self.q.job_succeed_unless_locked)
-                                        .bind_rows(job_row_set(JobKind::Succeed, job)?)
-                                        .fetch_all(&mut *tx)
-                                        .await?;
-                                let groups: BTreeSet<String> =
-                                    ended.iter().filter_map(|(_, g)| g.clone()).collect();
+                                let ended = sqlx::query_as(&self.q.job_succeed_unless_locked)
+                                    .bind_rows(job_row_set(JobKind::Succeed, job)?)
+                                    .fetch_all(&mut *tx)
+                                    .await?;
+                                let mut groups = BTreeSet::new();
+                                let ended = ended_ids(ended, &mut groups);
                                 group_next!(&mut *tx, &self.q, &groups)?;
                                 (!ended.is_empty()).then_some(Written::Job(Fence::Applied))
                             }
@@ -1801,6 +1799,18 @@ impl Store for SqlStore {
 
 /// Rounds of effect claims before a key that keeps changing is deferred.
 const CLAIM_ROUNDS: usize = 5;
+
+/// The ids a statement that ends jobs returned (`RETURNING id, group_key`),
+/// their groups added to `groups` for `group_next!`.
+fn ended_ids(ended: Vec<(i64, Option<String>)>, groups: &mut BTreeSet<String>) -> Vec<i64> {
+    ended
+        .into_iter()
+        .map(|(id, group)| {
+            groups.extend(group);
+            id
+        })
+        .collect()
+}
 
 fn ids_json(ids: &[JobId]) -> String {
     let ids: Vec<i64> = ids.iter().map(|id| id.0).collect();
